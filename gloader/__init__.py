@@ -1,0 +1,22 @@
+"""gloader: Gluon-style, pool-based data loading for PyTorch.
+
+`DataLoader(dataset, batch_size=64, shuffle=True, last_batch='rollover', num_workers=4)`
+works as in MXNet Gluon and yields batches of torch tensors. Workers run in one persistent
+`multiprocess` pool per loader (or a shared `WorkerPool`) and write batches straight into
+reused shared memory, which the caller maps without copying.
+"""
+from . import batchify, sampler
+from ._pool import WorkerPool
+from ._registry import WorkerInfo, get_worker_info
+from .dataset import ArrayDataset, Dataset, IterableDataset, SimpleDataset
+from .loader import DataLoader
+
+__all__ = ["ArrayDataset", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset", "WorkerInfo",
+           "WorkerPool", "batchify", "get_worker_info", "sampler"]
+
+for _name in ("ArrayDataset", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset", "WorkerInfo",
+              "WorkerPool", "get_worker_info"):
+    globals()[_name].__module__ = __name__
+del _name
+
+__version__ = "0.1.0"

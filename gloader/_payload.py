@@ -1,0 +1,75 @@
+"""What a loader ships to its workers, checked for picklability before any worker starts.
+
+Under fork (and for thread workers) the objects are inherited as they are. Under spawn and
+forkserver, and for loaders joining a running shared pool, each part is pickled with dill
+(so classes and lambdas defined in `__main__` or a notebook travel by value), one part at a
+time, so that a failure names the part and the attribute path that could not be pickled.
+Runs in the caller's process. The whole flow is drawn in `_dispatch`.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from ._registry import Payload
+
+__all__ = ["build_payload"]
+
+# How deep the search for the unpicklable attribute goes. Deeper: a more precise path for
+# deeply nested datasets; shallower: a faster error message.
+_MAX_SEARCH_DEPTH = 6
+
+
+def _dumps(obj: Any) -> bytes:
+    import dill
+
+    return dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
+
+
+def _children(obj: Any) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        return [(f"[{key!r}]", value) for key, value in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", value) for i, value in enumerate(obj)]
+    state = getattr(obj, "__dict__", None)
+    if isinstance(state, dict):
+        return [(f".{key}", value) for key, value in state.items()]
+    return []
+
+
+def find_unpicklable(obj: Any, path: str, depth: int = 0) -> str:
+    """Return the deepest attribute path below `path` whose value cannot be pickled."""
+    if depth < _MAX_SEARCH_DEPTH:
+        for suffix, child in _children(obj):
+            try:
+                _dumps(child)
+            except Exception:
+                return find_unpicklable(child, path + suffix, depth + 1)
+    return f"{path} ({type(obj).__name__})"
+
+
+def _dump_part(name: str, obj: Any) -> bytes | None:
+    if obj is None:
+        return None
+    try:
+        return _dumps(obj)
+    except Exception as exc:
+        culprit = find_unpicklable(obj, name)
+        raise TypeError(f"the {name} cannot be pickled for the workers ({type(exc).__name__}: {exc}); the "
+                        f"first part that fails is {culprit}. Open files, locks, sockets, generators and "
+                        "database handles cannot be sent to another process: open them lazily inside "
+                        "__getitem__ (or in worker_init_fn), or use start_method='fork' or "
+                        "thread_pool=True") from exc
+
+
+def build_payload(dataset: Any, batchify_fn: Any, worker_init_fn: Any, base_seed: int, prefix: str,
+                  is_stream: bool, pickled: bool) -> Payload:
+    """Return a loader's payload; with `pickled`, each part is dill bytes.
+
+    Raises:
+        TypeError: when a part cannot be pickled, naming the part and the attribute path.
+    """
+    if not pickled:
+        return Payload(dataset, batchify_fn, worker_init_fn, base_seed, prefix, is_stream, False)
+    return Payload(_dump_part("dataset", dataset), _dump_part("batchify function", batchify_fn),
+                   _dump_part("worker_init_fn", worker_init_fn), base_seed, prefix, is_stream, True)

@@ -1,0 +1,313 @@
+"""Worker pools: one `multiprocess.Pool` (or thread pool), supervised, with a shutdown ladder.
+
+`PoolCore` wraps the pool itself. The pool never tells anyone that a worker died: it silently
+starts a replacement and the task the dead worker held never completes (CPython bpo-22393).
+So the caller asks `find_dead_worker()` whenever a result is late, reading the exit codes
+itself. Shutdown climbs a ladder: ask (close), join with a deadline, terminate, join, kill.
+
+`WorkerPool` is the public pool that several loaders may share; a loader that owns its pool
+uses a `PoolCore` directly. The whole flow is drawn in `_dispatch`.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from ._options import START_METHODS, check_positive_int
+from ._registry import Payload
+from ._transport import unlink_prefix
+from ._worker import STATUS_FIELDS, PoolSpec, initialize_worker
+
+__all__ = ["PoolCore", "WorkerExitedError", "WorkerPool", "describe_exit"]
+
+logger = logging.getLogger(__name__)
+
+# Shutdown ladder deadlines. Longer: workers finishing a batch get to exit cleanly; shorter:
+# close() returns sooner when a batch is stuck in user code.
+_ASK_S = 1.0
+_TERMINATE_S = 1.5
+_KILL_S = 2.0
+# Deadline for the pool's own bookkeeping threads once every worker is gone.
+_POOL_THREADS_S = 5.0
+
+
+class WorkerExitedError(RuntimeError):
+    """A worker process died while the loader was running."""
+
+
+_SIGNAL_CAUSES = {
+    signal.SIGKILL: "it was killed, most often by the out-of-memory killer (check `dmesg`; lower "
+                    "num_workers, prefetch or batch_size, or keep the dataset in numpy arrays)",
+    signal.SIGBUS: "shared memory ran out (/dev/shm is full; in docker, raise --shm-size)",
+    signal.SIGSEGV: "a crash in native code called by the dataset or batchify function",
+    signal.SIGABRT: "native code aborted (an assertion in a C extension)",
+    signal.SIGTERM: "something outside gloader terminated it",
+}
+
+
+def describe_exit(exitcode: int) -> str:
+    """Say how a worker ended and the likely cause, from its exit code."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        cause = _SIGNAL_CAUSES.get(-exitcode, "it received a fatal signal")  # type: ignore[call-overload]
+        return f"was ended by {name}; likely cause: {cause}"
+    return (f"exited with code {exitcode}; likely cause: os._exit() or sys.exit() called in the "
+            "dataset, a transform or the batchify function")
+
+
+class PoolCore:
+    """One running pool of `num_workers` processes or threads, with its supervision.
+
+    Args:
+        num_workers: workers to start.
+        is_thread: threads instead of processes.
+        start_method: 'fork', 'spawn', 'forkserver' or None (platform default).
+        shm_prefix: prefix of every shared-memory segment of the loaders this pool serves.
+        registrations: (loader id, payload) pairs the initializer registers in every worker.
+    """
+
+    def __init__(self, num_workers: int, is_thread: bool, start_method: str | None, shm_prefix: str,
+                 registrations: list[tuple[int, Payload]]) -> None:
+        import multiprocess
+
+        self.num_workers = num_workers
+        self.is_thread = is_thread
+        self.payload_dir = tempfile.mkdtemp(prefix="gloader-payload-")
+        self._closed = False
+        self._watched: list[Any] = []
+        ctx = multiprocess.get_context(start_method)
+        status = None if is_thread else ctx.Array("q", [-1] * (num_workers * STATUS_FIELDS), lock=False)
+        self.spec = PoolSpec(is_thread=is_thread, num_workers=num_workers, counter=ctx.Value("i", 0),
+                             status=status, main_pid=os.getpid(), shm_prefix=shm_prefix,
+                             payload_dir=self.payload_dir, generation=ctx.Value("i", 0))
+        if is_thread:
+            from multiprocess.pool import ThreadPool
+
+            self.pool: Any = ThreadPool(num_workers, initializer=initialize_worker,
+                                        initargs=(self.spec, registrations))
+        else:
+            self.pool = ctx.Pool(num_workers, initializer=initialize_worker,
+                                 initargs=(self.spec, registrations))
+            self._watched = list(self.pool._pool)
+        logger.debug("started %d %s workers (%s)", num_workers, "thread" if is_thread else "process",
+                     start_method or "default start method")
+
+    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Queue `fn(*args)` on the pool; returns its AsyncResult."""
+        return self.pool.apply_async(fn, args)
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker processes (empty for threads)."""
+        return [] if self.is_thread else [p.pid for p in list(self.pool._pool)]
+
+    def find_dead_worker(self) -> str | None:
+        """Describe the first worker process that has died, or return None.
+
+        Reads exit codes itself, because the pool replaces dead workers silently.
+        """
+        if self.is_thread or self._closed:
+            return None
+        for process in list(self.pool._pool):
+            if process not in self._watched:
+                self._watched.append(process)
+        for process in self._watched:
+            code = process.exitcode
+            if code is not None:
+                if not self._has_started(process.pid):
+                    return (f"gloader worker (pid {process.pid}) exited with code {code} while starting, before "
+                            "it could load anything; under spawn or forkserver the main script is imported "
+                            "again in each worker, so guard it with `if __name__ == '__main__':` (its "
+                            "traceback is on stderr)")
+                return f"gloader worker (pid {process.pid}) {describe_exit(code)}{self._doing(process.pid)}"
+        return None
+
+    def _has_started(self, pid: int) -> bool:
+        status = self.spec.status
+        return any(status[row * STATUS_FIELDS] == pid for row in range(self.num_workers))
+
+    def _doing(self, pid: int) -> str:
+        status = self.spec.status
+        for row in range(self.num_workers):
+            base = row * STATUS_FIELDS
+            if status[base] == pid and status[base + 3] >= 0:
+                return (f". It was loading batch {status[base + 3]} of epoch {status[base + 2]} "
+                        f"for loader {status[base + 1]}")
+        return ""
+
+    def announce_departure(self, loader_id: int) -> None:
+        """Remove a loader's payload file so that workers drop it at their next task."""
+        try:
+            os.unlink(os.path.join(self.payload_dir, f"{loader_id}.pkl"))
+        except FileNotFoundError:
+            return
+        with self.spec.generation.get_lock():
+            self.spec.generation.value += 1
+
+    def publish_payload(self, loader_id: int, payload: Payload) -> None:
+        """Write a loader's payload where workers of the running pool find it."""
+        path = os.path.join(self.payload_dir, f"{loader_id}.pkl")
+        with open(path + ".tmp", "wb") as handle:
+            pickle.dump(payload, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(path + ".tmp", path)  # atomic: a worker never reads half a file
+
+    def close(self) -> None:
+        """Stop every worker, climbing the ladder; idempotent, bounded in time."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_thread:
+            self._close_threads()
+        else:
+            self._close_processes()
+        shutil.rmtree(self.payload_dir, ignore_errors=True)
+        unlink_prefix(self.spec.shm_prefix)  # created by workers for batches nobody collected
+        logger.debug("stopped %d %s workers", self.num_workers, "thread" if self.is_thread else "process")
+
+    def _close_threads(self) -> None:
+        pool = self.pool
+        pool.close()
+        deadline = time.monotonic() + _ASK_S + _TERMINATE_S
+        for thread in list(pool._pool):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in pool._pool if t.is_alive()]
+        if busy:
+            logger.warning("gloader thread workers %s are still running user code after %.1f s; "
+                           "they are daemon threads and end with the interpreter", busy, _ASK_S + _TERMINATE_S)
+        self._stop_pool_threads()
+
+    def _close_processes(self) -> None:
+        pool = self.pool
+        pool.close()  # ask: each idle worker takes a stop sentinel and exits
+        processes = list(pool._pool)
+        if not _join_all(processes, _ASK_S):
+            # The pool would start replacements for the workers stopped below while tasks are
+            # pending; tell its maintenance thread to stop first.
+            pool._worker_handler._state = 2  # multiprocess.pool.TERMINATE
+            alive = [p for p in processes if p.exitcode is None]
+            logger.warning("gloader workers %s did not stop within %.1f s; terminating them",
+                           [p.pid for p in alive], _ASK_S)
+            for process in alive:
+                process.terminate()
+            if not _join_all(alive, _TERMINATE_S):
+                alive = [p for p in alive if p.exitcode is None]
+                logger.warning("gloader workers %s ignored SIGTERM for %.1f s; killing them",
+                               [p.pid for p in alive], _TERMINATE_S)
+                for process in alive:
+                    process.kill()
+                if not _join_all(alive, _KILL_S):
+                    logger.warning("gloader workers %s survived SIGKILL", [p.pid for p in alive if p.exitcode is None])
+        # A worker killed while waiting for a task holds the task queue's read lock forever,
+        # and pool.terminate() would block acquiring it. Every worker is gone now: free it.
+        lock = pool._inqueue._rlock
+        lock.acquire(block=False)
+        lock.release()
+        self._stop_pool_threads()
+
+    def _stop_pool_threads(self) -> None:
+        stopper = threading.Thread(target=self.pool.terminate, name="gloader-pool-stop", daemon=True)
+        stopper.start()
+        stopper.join(_POOL_THREADS_S)
+        if stopper.is_alive():
+            logger.warning("the pool's bookkeeping threads did not stop within %.1f s", _POOL_THREADS_S)
+
+
+def _join_all(processes: list[Any], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    return all(p.exitcode is not None for p in processes)
+
+
+# Pools still running at interpreter exit; closed by the exit hook below, before
+# multiprocess's own exit handler would terminate (and noisily join) them.
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track(owner: Any) -> None:
+    """Have the exit hook close `owner` (anything with `close()`) if it is still open."""
+    _LIVE.add(owner)
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    for owner in list(_LIVE):
+        try:
+            owner.close()
+        except Exception:  # exit must go on; say what failed
+            logger.warning("closing %r at exit failed", owner, exc_info=True)
+
+
+class WorkerPool:
+    """A pool of workers that several DataLoaders can share.
+
+    Loaders given `pool=` register on it (their dataset reaches every worker) and leave it
+    when they close; the pool keeps running until `close()`.
+
+    Args:
+        num_workers: number of workers, >= 1.
+        thread_pool: run workers as threads instead of processes.
+        start_method: 'fork', 'spawn', 'forkserver', or None for the platform default.
+
+    Raises:
+        TypeError, ValueError: for a bad argument, naming it.
+    """
+
+    def __init__(self, num_workers: int, *, thread_pool: bool = False, start_method: str | None = None) -> None:
+        self.num_workers = check_positive_int("num_workers", num_workers)
+        if start_method is not None and start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS} or None, got {start_method!r}")
+        self.thread_pool = bool(thread_pool)
+        self.start_method = start_method
+        self.shm_prefix = f"gl{os.getpid()}_{os.urandom(4).hex()}_"
+        self._core = PoolCore(self.num_workers, self.thread_pool, start_method, self.shm_prefix, [])
+        self._finalizer = weakref.finalize(self, _finalize_pool, self._core)
+        track(self)
+
+    @property
+    def core(self) -> PoolCore:
+        """The running pool; RuntimeError once closed."""
+        if self._core is None:
+            raise RuntimeError("this WorkerPool is closed; create a new one")
+        return self._core
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has run."""
+        return self._core is None
+
+    def close(self) -> None:
+        """Stop the workers; loaders still using the pool fail at their next batch."""
+        core, self._core = self._core, None
+        if core is not None:
+            self._finalizer.detach()
+            core.close()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "threads" if self.thread_pool else "processes"
+        return f"WorkerPool({self.num_workers} {kind}, {'closed' if self.closed else 'running'})"
+
+
+def _finalize_pool(core: PoolCore) -> None:
+    import warnings
+
+    warnings.warn("a gloader WorkerPool was garbage-collected while running; call close() or use "
+                  "`with WorkerPool(...)`", ResourceWarning, stacklevel=2)
+    core.close()

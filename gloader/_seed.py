@@ -1,0 +1,53 @@
+"""Per-batch seeds: derived from (seed, epoch, batch index), never from the worker.
+
+A pool hands a batch to whichever worker is free, so a per-worker seed would make random
+augmentations depend on scheduling. Deriving the seed from the batch's identity makes every
+draw reproducible for any number of workers. Runs in workers and in the caller's process.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+__all__ = ["derive_batch_seed", "draw_base_seed", "preserved_global_rng", "seed_global_rng"]
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def draw_base_seed() -> int:
+    """Return a fresh 63-bit seed from the operating system's entropy."""
+    return int(np.random.SeedSequence().generate_state(2, np.uint64)[0]) & _SEED_MASK
+
+
+def derive_batch_seed(base_seed: int, epoch: int, batch_index: int) -> int:
+    """Return the 63-bit seed of one batch; stable across processes and platforms."""
+    state = np.random.SeedSequence([base_seed, epoch, batch_index]).generate_state(1, np.uint64)
+    return int(state[0]) & _SEED_MASK
+
+
+def seed_global_rng(seed: int) -> None:
+    """Seed Python's `random`, numpy's legacy global generator and torch's CPU generator."""
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def preserved_global_rng() -> Iterator[None]:
+    """Restore the global `random`, numpy and torch generators on exit.
+
+    Used for in-process loading, so that seeding a batch does not disturb the caller's streams.
+    """
+    py_state: Any = random.getstate()
+    np_state: Any = np.random.get_state()
+    torch_state = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)

@@ -1,0 +1,369 @@
+"""Shared-memory transport: workers write batches into reused segments, the caller maps them.
+
+Packing half (runs in workers): `SegmentCache` keeps segments mapped across batches and
+`pack_batch` writes a planned batch into one of them and returns a small handle (bytes).
+Unpacking half (runs in the caller): `SlotPool` owns the segments, hands a free one to each
+dispatched batch, and rebuilds handles into tensors that view the memory without copying.
+
+Ownership: a segment belongs to the caller's `SlotPool` from the moment its name arrives in a
+handle. The pool gives it to one batch at a time; it returns to the free list only when the
+last tensor viewing that batch's memory is freed (a `weakref.finalize` on the batch's base
+array), so a batch the user keeps is never overwritten. A worker that creates a segment (the
+slot it was given was too small, or none was free) owns it until the handle is returned; it
+unlinks it itself if it fails before then. Segment names start with the loader's prefix, so
+`unlink_prefix` removes everything of one loader after close or after the caller dies.
+The whole flow is drawn in `_dispatch`.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import logging
+import mmap
+import os
+import pickle
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._tree import Leaf, Opaque, iter_leaves
+
+__all__ = ["SegmentCache", "SlotPool", "pack_batch", "unlink_prefix"]
+
+logger = logging.getLogger(__name__)
+
+_SHM_DIR = "/dev/shm"
+# Leaves start on 64-byte boundaries: any dtype view is aligned, and no two leaves share a
+# cache line that two writers could contend on.
+_ALIGN_BYTES = 64
+# A new segment gets this much room beyond the batch that created it (in eighths), so that
+# slowly growing padded batches reuse it instead of creating a new segment each time.
+_HEADROOM_EIGHTHS = 1
+_PAGE_BYTES = mmap.PAGESIZE
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _path(name: str) -> str:
+    return os.path.join(_SHM_DIR, name)
+
+
+def _map_segment(name: str, capacity: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(_path(name), flags, 0o600)
+    try:
+        if create:
+            # Reserve the pages now: a full /dev/shm then fails here with ENOSPC instead of
+            # killing the writer with SIGBUS on its first touch of an unbacked page.
+            os.posix_fallocate(fd, 0, capacity)
+        return mmap.mmap(fd, capacity)
+    except BaseException:
+        if create:
+            os.unlink(_path(name))
+        raise
+    finally:
+        os.close(fd)
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(_path(name))
+    except FileNotFoundError:
+        pass
+
+
+def unlink_prefix(prefix: str) -> int:
+    """Remove every segment whose name starts with `prefix`; return how many were removed."""
+    removed = 0
+    for path in glob.glob(os.path.join(_SHM_DIR, glob.escape(prefix) + "*")):
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _close_map(segment: mmap.mmap) -> None:
+    try:
+        segment.close()
+    except BufferError:
+        pass  # still viewed by a live tensor: the mapping goes away when that tensor does
+
+
+class SegmentCache:
+    """Worker-side mappings of segments, kept open across batches (least recently used out).
+
+    Keeping a segment mapped is what makes reuse cheap: its pages stay in this process's page
+    table, so writing the next batch into it takes no page faults.
+
+    Args:
+        max_maps: how many segments stay mapped. Larger: fewer re-maps when many slots
+            circulate; smaller: retired segments are unmapped (and freed) sooner.
+    """
+
+    def __init__(self, max_maps: int) -> None:
+        self._max_maps = max_maps
+        self._maps: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
+        self._created = 0
+
+    def get(self, name: str, capacity: int) -> mmap.mmap:
+        segment = self._maps.get(name)
+        if segment is None or len(segment) < capacity:
+            segment = _map_segment(name, capacity, create=False)
+            self._remember(name, segment)
+        else:
+            self._maps.move_to_end(name)
+        return segment
+
+    def create(self, prefix: str, capacity: int) -> tuple[str, mmap.mmap]:
+        self._created += 1
+        name = f"{prefix}w{os.getpid()}_{self._created}"
+        segment = _map_segment(name, capacity, create=True)
+        self._remember(name, segment)
+        return name, segment
+
+    def forget(self, name: str) -> None:
+        segment = self._maps.pop(name, None)
+        if segment is not None:
+            _close_map(segment)
+
+    def close(self) -> None:
+        for name in list(self._maps):
+            self.forget(name)
+
+    def _remember(self, name: str, segment: mmap.mmap) -> None:
+        old = self._maps.pop(name, None)
+        if old is not None:
+            _close_map(old)
+        self._maps[name] = segment
+        while len(self._maps) > self._max_maps:
+            _, evicted = self._maps.popitem(last=False)
+            _close_map(evicted)
+
+
+def _encode(plan: Any, offsets: dict[int, int]) -> Any:
+    """Describe a plan as plain tuples: ('t', offset, shape, dtype), ('o', value), containers."""
+    if isinstance(plan, Leaf):
+        return ("t", offsets[id(plan)], plan.shape, str(plan.dtype)[6:])
+    if isinstance(plan, Opaque):
+        return ("o", plan.value)
+    if isinstance(plan, list):
+        return ("L", [_encode(item, offsets) for item in plan])
+    if isinstance(plan, tuple):
+        return ("T", [_encode(item, offsets) for item in plan])
+    return ("D", [(key, _encode(item, offsets)) for key, item in plan.items()])
+
+
+def _dumps(handle: Any) -> bytes:
+    try:
+        return b"P" + pickle.dumps(handle, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        import dill  # objects defined in __main__ or lambdas inside a batch need dill
+
+        return b"D" + dill.dumps(handle, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads_handle(data: bytes) -> Any:
+    """Decode bytes made by `pack_batch` (or by a worker's error path)."""
+    if data[:1] == b"P":
+        return pickle.loads(data[1:])
+    import dill
+
+    return dill.loads(data[1:])
+
+
+def dumps_handle(handle: Any) -> bytes:
+    """Encode a small message for the caller: stdlib pickle, dill only when needed."""
+    return _dumps(handle)
+
+
+def pack_batch(plan: Any, slot: str | None, slot_capacity: int, prefix: str, cache: SegmentCache) -> tuple[Any, ...]:
+    """Write a planned batch into shared memory and return its handle.
+
+    Uses the given slot when the batch fits, otherwise creates a segment (with headroom) that
+    the caller adopts. Returns `(segment name or None, capacity, created, encoded plan)`.
+    """
+    offsets: dict[int, int] = {}
+    total = 0
+    leaves = list(iter_leaves(plan))
+    for leaf in leaves:
+        offsets[id(leaf)] = total
+        total += _round_up(leaf.nbytes, _ALIGN_BYTES)
+    if not leaves:
+        return (None, 0, False, _encode(plan, offsets))
+    created = slot is None or total > slot_capacity
+    if created:
+        capacity = _round_up(total + total * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
+        name, segment = cache.create(prefix, capacity)
+    else:
+        name, capacity = slot, slot_capacity  # type: ignore[assignment]  # slot is set here
+        segment = cache.get(name, capacity)
+    try:
+        flat = torch.from_numpy(np.frombuffer(segment, dtype=np.uint8, count=total))
+        for leaf in leaves:
+            start = offsets[id(leaf)]
+            leaf.fill(flat[start:start + leaf.nbytes].view(leaf.dtype).view(leaf.shape))
+        del flat
+    except BaseException:
+        if created:
+            cache.forget(name)
+            _unlink(name)  # never handed over: this worker still owns it
+        raise
+    return (name, capacity, created, _encode(plan, offsets))
+
+
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = _DTYPES.get(name)
+    if found is None:
+        found = _DTYPES[name] = getattr(torch, name)
+    return found
+
+
+def _decode(spec: Any, base: np.ndarray) -> Any:
+    kind = spec[0]
+    if kind == "t":
+        _, start, shape, dtype_name = spec
+        dtype = _dtype(dtype_name)
+        count = 1
+        for size in shape:
+            count *= size
+        view = torch.from_numpy(base[start:start + count * dtype.itemsize])
+        return view.view(dtype).view(shape)
+    if kind == "o":
+        return spec[1]
+    if kind == "L":
+        return [_decode(item, base) for item in spec[1]]
+    if kind == "T":
+        return tuple(_decode(item, base) for item in spec[1])
+    return {key: _decode(item, base) for key, item in spec[1]}
+
+
+class SlotPool:
+    """Caller-side owner of a loader's shared-memory segments ("slots").
+
+    Thread-safe: slots are released from whichever thread drops the last view.
+
+    Args:
+        prefix: name prefix of this loader's segments.
+        max_spare: free slots kept mapped for reuse; a slot released beyond that is unlinked.
+            Larger: fewer new segments when the user holds batches in bursts; smaller:
+            less idle shared memory.
+    """
+
+    def __init__(self, prefix: str, max_spare: int) -> None:
+        self.prefix = prefix
+        self._max_spare = max_spare
+        self._lock = threading.Lock()
+        self._maps: dict[str, mmap.mmap] = {}
+        self._free: list[str] = []
+        self._closed = False
+        self.segments_created = 0
+        self._warned_size = False
+
+    def acquire(self) -> tuple[str | None, int]:
+        """Take a free slot for a batch about to be dispatched, or (None, 0) when none is free."""
+        with self._lock:
+            if self._free and not self._closed:
+                name = self._free.pop()
+                return name, len(self._maps[name])
+        return None, 0
+
+    def settle(self, given: str | None, handle: tuple[Any, ...] | None) -> None:
+        """Account for a finished task that was given slot `given`.
+
+        `handle` is the task's `(name, capacity, created, spec)`, or None when it failed.
+        """
+        used = handle[0] if handle is not None else None
+        if given is not None and used != given:
+            if handle is not None and handle[2]:
+                self._retire(given)  # too small for this batch: a bigger one replaces it
+            else:
+                self.release(given)
+        if handle is not None and handle[2]:
+            self._adopt(handle[0], handle[1])
+
+    def rebuild(self, handle: tuple[Any, ...]) -> Any:
+        """Turn a handle into the batch: tensors that view the slot, which stays taken until
+        the last of them is freed."""
+        name, capacity, _, spec = handle
+        if name is None:
+            return _decode(spec, np.empty(0, dtype=np.uint8))
+        with self._lock:
+            segment = self._maps[name]
+        base = np.frombuffer(segment, dtype=np.uint8, count=capacity)
+        batch = _decode(spec, base)
+        release = weakref.finalize(base, self.release, name)
+        release.atexit = False
+        return batch
+
+    def release(self, name: str) -> None:
+        """Return a slot to the free list (or unlink it when closed or in surplus)."""
+        with self._lock:
+            if self._closed or len(self._free) >= self._max_spare:
+                segment = self._maps.pop(name, None)
+            else:
+                self._free.append(name)
+                return
+        _unlink(name)
+        if segment is not None:
+            _close_map(segment)
+
+    def in_use_bytes(self) -> int:
+        """Bytes of shared memory this loader holds mapped (free slots included)."""
+        with self._lock:
+            return sum(len(m) for m in self._maps.values())
+
+    def close(self) -> None:
+        """Unlink every segment; batches the user still holds stay valid until freed."""
+        with self._lock:
+            self._closed = True
+            maps, self._maps = self._maps, {}
+            self._free = []
+        for name, segment in maps.items():
+            _unlink(name)
+            _close_map(segment)
+        removed = unlink_prefix(self.prefix)  # created by workers but never handed over
+        if removed:
+            logger.debug("removed %d segments of %s that were still in flight at close", removed, self.prefix)
+
+    def _adopt(self, name: str, capacity: int) -> None:
+        segment = _map_segment(name, capacity, create=False)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._maps[name] = segment
+                self.segments_created += 1
+        if closed:
+            _unlink(name)
+            _close_map(segment)
+
+    def _retire(self, name: str) -> None:
+        with self._lock:
+            segment = self._maps.pop(name, None)
+        _unlink(name)
+        if segment is not None:
+            _close_map(segment)
+
+    def warn_if_shm_small(self, batch_bytes: int, window: int) -> None:
+        """Warn once when /dev/shm cannot hold `window` batches of `batch_bytes`."""
+        if self._warned_size:
+            return
+        self._warned_size = True
+        stats = os.statvfs(_SHM_DIR)
+        free_bytes = stats.f_bavail * stats.f_frsize
+        needed = batch_bytes * window
+        if needed > free_bytes:
+            warnings.warn(f"/dev/shm has {free_bytes / 2**20:.0f} MiB free but gloader's prefetch window "
+                          f"needs about {needed / 2**20:.0f} MiB ({window} batches of {batch_bytes / 2**20:.1f} MiB); "
+                          "workers will fail with 'No space left on device'. Enlarge /dev/shm (docker: "
+                          "--shm-size=2g), or lower prefetch or batch_size.", ResourceWarning, stacklevel=4)

@@ -1,0 +1,220 @@
+"""What runs inside a worker: the pool initializer, the batch task and the parent watchdog.
+
+Entry points are module-level functions so that every start method can find them. They catch
+`BaseException` around user code and return it as a message; the initializer never raises
+(a failure is kept and reported by the first task), because a raising initializer makes the
+pool respawn workers forever. Messages are small tuples; process workers return them as
+bytes made by the stdlib pickler (see `_transport.dumps_handle`). Never imports caller-side
+code. The whole flow is drawn in `_dispatch`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from . import _registry
+from ._registry import Payload, WorkerInfo
+from ._seed import seed_global_rng
+from .batchify import plan_batch
+from ._transport import SegmentCache, dumps_handle, pack_batch, unlink_prefix
+
+__all__ = ["PoolSpec", "STATUS_FIELDS", "initialize_worker", "run_batch"]
+
+logger = logging.getLogger(__name__)
+
+# How often a process worker checks that the caller is alive. Larger: less wake-up noise;
+# smaller: orphaned workers exit (and free /dev/shm) sooner after the caller is killed.
+_PARENT_POLL_S = 0.2
+# Columns of the shared status table, one row per worker: what it is loading right now.
+STATUS_FIELDS = 4  # pid, loader id, epoch, batch index (-1 when idle)
+# Segments a process worker keeps mapped; see SegmentCache.
+_MAX_MAPPED_SEGMENTS = 32
+
+
+@dataclasses.dataclass
+class PoolSpec:
+    """Everything a pool's workers share; passed to the initializer once per worker."""
+
+    is_thread: bool
+    num_workers: int
+    counter: Any  # a synchronized int: hands out worker ids
+    status: Any  # synchronized int64 array of num_workers * STATUS_FIELDS, or None for threads
+    main_pid: int
+    shm_prefix: str  # every segment of this pool's loaders starts with it
+    payload_dir: str  # payload files of loaders that join the running pool
+    generation: Any  # synchronized int, bumped when a loader leaves the pool
+
+
+_SPEC: PoolSpec | None = None
+_CACHE = SegmentCache(_MAX_MAPPED_SEGMENTS)
+_SEEN_GENERATION = 0
+_THREAD_SPEC = threading.local()
+
+
+def _watch_parent(main_pid: int, shm_prefix: str) -> None:
+    """Exit when the caller is gone, after removing the caller's segments (it cannot)."""
+    parent = os.getppid()
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        gone = os.getppid() != parent
+        if not gone:
+            try:
+                os.kill(main_pid, 0)
+            except ProcessLookupError:
+                gone = True
+            except PermissionError:
+                pass
+        if gone:
+            unlink_prefix(shm_prefix)
+            os._exit(0)
+
+
+def initialize_worker(spec: PoolSpec, registrations: list[tuple[int, Payload]]) -> None:
+    """Pool initializer: claim a worker id, set the process up, register the loaders.
+
+    Never raises; see the module docstring.
+    """
+    global _SPEC
+    try:
+        with spec.counter.get_lock():
+            worker_id = spec.counter.value
+            spec.counter.value += 1
+        _registry.set_identity(worker_id % spec.num_workers, spec.num_workers, spec.is_thread)
+        if spec.is_thread:
+            _THREAD_SPEC.spec = spec
+        else:
+            _SPEC = spec
+            # Ctrl-C is the caller's to handle: it shuts the workers down itself.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            import torch
+
+            torch.set_num_threads(1)  # one worker, one core: intra-op threads only contend
+            row = (worker_id % spec.num_workers) * STATUS_FIELDS
+            spec.status[row:row + STATUS_FIELDS] = [os.getpid(), -1, -1, -1]
+            threading.Thread(target=_watch_parent, args=(spec.main_pid, spec.shm_prefix),
+                             name="gloader-parent-watch", daemon=True).start()
+        for loader_id, payload in registrations:
+            _registry.register_loader(loader_id, payload)
+    except BaseException:  # pragma: no cover - last resort; the first task reports the loader as missing
+        logger.exception("gloader worker initialization failed")
+
+
+def _current_spec() -> PoolSpec | None:
+    return getattr(_THREAD_SPEC, "spec", None) or _SPEC
+
+
+def _refresh_registry(spec: PoolSpec) -> None:
+    """Drop loaders that left a shared pool (their payload file is gone)."""
+    global _SEEN_GENERATION
+    generation = spec.generation.value
+    if generation == _SEEN_GENERATION:
+        return
+    _SEEN_GENERATION = generation
+    for loader_id in _registry.registered_from_file():
+        if not os.path.exists(os.path.join(spec.payload_dir, f"{loader_id}.pkl")):
+            _registry.unregister_loader(loader_id)
+
+
+def _find_registration(spec: PoolSpec | None, loader_id: int) -> _registry.Registration | None:
+    registration = _registry.lookup(loader_id)
+    if registration is None and spec is not None:
+        path = os.path.join(spec.payload_dir, f"{loader_id}.pkl")
+        try:
+            with open(path, "rb") as handle:
+                payload = pickle.load(handle)
+        except FileNotFoundError:
+            return None
+        _registry.register_loader(loader_id, payload, from_file=True)
+        registration = _registry.lookup(loader_id)
+    return registration
+
+
+def _error_message(exc: BaseException, tb_text: str, context: str, batch_index: int,
+                   sample_index: int | None, is_thread: bool) -> tuple[Any, ...]:
+    identity = _registry.current_identity() or (-1, 0)
+    info = {"type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc),
+            "traceback": tb_text, "context": context, "batch_index": batch_index,
+            "sample_index": sample_index, "worker_id": identity[0], "pid": os.getpid()}
+    if is_thread:
+        info["exception"] = exc
+    else:
+        try:
+            data = pickle.dumps(exc)
+            pickle.loads(data)  # some exceptions pickle but cannot be rebuilt; find out here
+            info["exception"] = data
+        except Exception:
+            info["exception"] = None
+    return ("err", info)
+
+
+def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: bytes,
+              slot: str | None, slot_capacity: int) -> Any:
+    """Load one batch: fetch its samples, batchify them, hand the result over.
+
+    Args:
+        seed: the batch's seed (from the loader's seed, the epoch and the batch index).
+        indices: the sample indices as int64 bytes (one flat object: cheap to send).
+        slot, slot_capacity: the shared-memory slot the caller lent for this batch.
+
+    Returns:
+        ('ok', handle or batch, fetch seconds, batchify seconds) or ('err', info); bytes from
+        process workers, the tuple itself from thread workers.
+    """
+    spec = _current_spec()
+    is_thread = spec is None or spec.is_thread
+    row = -1
+    sample_index: int | None = None
+    try:
+        if spec is not None and not is_thread:
+            _refresh_registry(spec)
+            row = _registry.current_identity()[0] * STATUS_FIELDS  # type: ignore[index]  # set by initializer
+            spec.status[row + 1:row + STATUS_FIELDS] = [loader_id, epoch, batch_index]
+        registration = _find_registration(spec, loader_id)
+        if registration is None:
+            raise RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its "
+                               "pool was started without it")
+        if registration.error is not None:
+            message = _error_message(registration.error, registration.error_traceback,
+                                     registration.error_context, batch_index, None, is_thread)
+            return message if is_thread else dumps_handle(message)
+        if not is_thread:
+            seed_global_rng(seed)
+        identity = _registry.current_identity() or (0, 1)
+        _registry.set_current_info(WorkerInfo(identity[0], identity[1], seed, registration.dataset,
+                                              np.random.default_rng(seed)))
+        started = time.perf_counter()
+        order = np.frombuffer(indices, dtype=np.int64)
+        samples: list[Any] = []
+        for sample_index in order.tolist():
+            samples.append(registration.dataset[sample_index])
+        sample_index = None
+        fetched = time.perf_counter()
+        batchify_fn: Any = registration.batchify_fn
+        if is_thread:
+            result: Any = _batch_in_thread(batchify_fn, samples)
+        else:
+            result = pack_batch(plan_batch(batchify_fn, samples), slot, slot_capacity, registration.prefix, _CACHE)
+        message: tuple[Any, ...] = ("ok", result, fetched - started, time.perf_counter() - fetched)
+    except BaseException as exc:
+        message = _error_message(exc, traceback.format_exc(), "", batch_index, sample_index, is_thread)
+    finally:
+        _registry.set_current_info(None)
+        if row >= 0 and spec is not None:
+            spec.status[row + 3] = -1
+    return message if is_thread else dumps_handle(message)
+
+
+def _batch_in_thread(batchify_fn: Any, samples: list[Any]) -> Any:
+    """Thread workers share the caller's memory: no transport, numpy output becomes tensors."""
+    from ._tree import arrays_to_tensors
+
+    return arrays_to_tensors(batchify_fn(samples))

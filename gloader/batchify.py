@@ -1,0 +1,290 @@
+"""Batchify functions: turn a list of samples into one batch of torch tensors.
+
+Gluon's batchify API (`Stack`, `Pad`, `Group`/`Tuple`, `Dict`, `List` and
+`default_batchify_fn`). Each one also *plans* the batch (shapes and dtypes first, data
+second), which lets a worker write the batch straight into shared memory, each byte once.
+Any other callable works as a batchify function too; its output is copied once.
+Nothing here starts a process or touches CUDA.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ._tree import Leaf, Opaque, as_torch_dtype, materialize, plan_from_value
+
+__all__ = ["Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn", "plan_batch"]
+
+
+def _alloc_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def plan_batch(batchify_fn: Callable[[list[Any]], Any], samples: list[Any]) -> Any:
+    """Return the plan of `batchify_fn(samples)`: planned directly by built-in functions,
+    otherwise computed and then planned from its output."""
+    planner = getattr(batchify_fn, "_gloader_plan", None)
+    if planner is not None:
+        return planner(samples)
+    return plan_from_value(batchify_fn(samples))
+
+
+def _check_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    try:
+        found = as_torch_dtype(dtype)
+    except TypeError:
+        found = None
+    if found is None:
+        raise TypeError(f"dtype must be a numeric numpy or torch dtype, got {dtype!r}")
+    return found
+
+
+def _numeric_kind(items: Sequence[Any]) -> torch.dtype:
+    kinds = {type(item) for item in items}
+    if kinds <= {bool}:
+        return torch.bool
+    if kinds <= {bool, int}:
+        return torch.int64
+    if kinds <= {bool, int, float}:
+        return torch.float64
+    return torch.complex128
+
+
+def _plan_scalars(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
+    out_dtype = dtype or _numeric_kind(items)
+    values = list(items)
+
+    def fill(out: torch.Tensor) -> None:
+        out.copy_(torch.tensor(values, dtype=out_dtype))
+
+    return Leaf((len(values),), out_dtype, fill)
+
+
+def _shape_error(shapes: list[tuple[int, ...]]) -> ValueError:
+    distinct = sorted(set(shapes))[:3]
+    return ValueError(f"cannot stack samples of different shapes {distinct}; pad them with "
+                      "gloader.batchify.Pad or give the DataLoader a batchify_fn that handles them")
+
+
+def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
+    """Stack arrays/tensors/numpy scalars along a new first axis."""
+    if any(isinstance(item, torch.Tensor) for item in items):
+        tensors = [torch.as_tensor(item) for item in items]
+        shapes = [tuple(t.shape) for t in tensors]
+        if len(set(shapes)) != 1:
+            raise _shape_error(shapes)
+        out_dtype = dtype or tensors[0].dtype
+
+        def fill_tensors(out: torch.Tensor) -> None:
+            if out.dtype == tensors[0].dtype and all(t.dtype == out.dtype for t in tensors):
+                torch.stack(tensors, out=out)
+            else:
+                for row, t in zip(out, tensors):
+                    row.copy_(t)
+
+        return Leaf((len(tensors),) + shapes[0], out_dtype, fill_tensors)
+    arrays = [np.asarray(item) for item in items]
+    shapes = [a.shape for a in arrays]
+    if len(set(shapes)) != 1:
+        raise _shape_error(shapes)
+    found = dtype or as_torch_dtype(arrays[0].dtype)
+    if found is None:
+        raise TypeError(f"cannot stack samples of numpy dtype {arrays[0].dtype} into a tensor; "
+                        "use gloader.batchify.List() for non-numeric fields")
+    cast = "unsafe" if dtype is not None else "same_kind"
+
+    def fill_arrays(out: torch.Tensor) -> None:
+        np.stack(arrays, axis=0, out=out.numpy(), casting=cast)
+
+    return Leaf((len(arrays),) + shapes[0], found, fill_arrays)
+
+
+def _plan_default(samples: Sequence[Any]) -> Any:
+    if not samples:
+        return Opaque([])
+    first = samples[0]
+    if isinstance(first, (torch.Tensor, np.ndarray, np.generic)):
+        if isinstance(first, np.ndarray) and (first.dtype.hasobject or as_torch_dtype(first.dtype) is None):
+            return Opaque(list(samples))
+        return _plan_stack(samples, None)
+    if isinstance(first, (bool, int, float, complex)):
+        return _plan_scalars(samples, None)
+    if isinstance(first, Mapping):
+        keys = list(first.keys())
+        for sample in samples:
+            if not isinstance(sample, Mapping) or list(sample.keys()) != keys:
+                raise ValueError(f"dict samples of one batch must have the same keys, got {keys} and "
+                                 f"{list(sample.keys()) if isinstance(sample, Mapping) else type(sample).__name__}")
+        return {key: _plan_default([sample[key] for sample in samples]) for key in keys}
+    if isinstance(first, (tuple, list)):
+        lengths = {len(sample) for sample in samples}
+        if len(lengths) != 1:
+            raise ValueError(f"tuple samples of one batch must have the same length, got lengths {sorted(lengths)}")
+        return [_plan_default(list(field)) for field in zip(*samples)]
+    return Opaque(list(samples))
+
+
+def default_batchify_fn(samples: list[Any]) -> Any:
+    """Batch samples by Gluon's default rules.
+
+    Arrays and tensors stack into a tensor of their dtype; Python bools, ints and floats become
+    bool, int64 and float64 tensors; strings, bytes and other objects stay a list; a tuple or
+    list sample becomes a list of batched fields and a dict sample a dict of batched fields,
+    recursively.
+
+    Args:
+        samples: the samples of one batch.
+
+    Returns:
+        The batch.
+
+    Raises:
+        ValueError: when arrays of different shapes would be stacked.
+    """
+    return materialize(_plan_default(samples), _alloc_host)
+
+
+default_batchify_fn._gloader_plan = _plan_default  # type: ignore[attr-defined]  # read by plan_batch
+
+
+class _Batchify:
+    """Shared call path: every built-in batchify function is its plan, materialized."""
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return materialize(self._gloader_plan(samples), _alloc_host)
+
+    def _gloader_plan(self, samples: list[Any]) -> Any:
+        raise NotImplementedError
+
+
+class Stack(_Batchify):
+    """Stack arrays, tensors or numbers along a new first axis.
+
+    Args:
+        dtype: output dtype (numpy or torch); None keeps the samples' dtype.
+    """
+
+    def __init__(self, dtype: Any = None) -> None:
+        self._dtype = _check_dtype(dtype)
+
+    def _gloader_plan(self, samples: list[Any]) -> Any:
+        if samples and isinstance(samples[0], (bool, int, float, complex)):
+            return _plan_scalars(samples, self._dtype)
+        return _plan_stack(samples, self._dtype)
+
+
+class Pad(_Batchify):
+    """Pad arrays to the longest along `axis`, then stack them.
+
+    Args:
+        axis: the sample axis to pad (samples agree on every other axis).
+        pad_val: value written into the padding.
+        ret_length: also return an int64 tensor of the original lengths.
+        dtype: output dtype; None keeps the samples' dtype.
+        round_to: round the padded length up to a multiple of this.
+
+    Raises:
+        ValueError: for an axis outside the samples' dimensions, or other axes that differ.
+    """
+
+    def __init__(self, axis: int = 0, pad_val: Any = 0, ret_length: bool = False,
+                 dtype: Any = None, round_to: int | None = None) -> None:
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"axis must be an integer, got {axis!r}")
+        if round_to is not None and (isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1):
+            raise ValueError(f"round_to must be an integer >= 1 or None, got {round_to!r}")
+        self._axis = axis
+        self._pad_val = pad_val
+        self._ret_length = bool(ret_length)
+        self._dtype = _check_dtype(dtype)
+        self._round_to = round_to
+
+    def _gloader_plan(self, samples: list[Any]) -> Any:
+        tensors = [torch.as_tensor(s) if isinstance(s, torch.Tensor) else torch.from_numpy(np.asarray(s))
+                   for s in samples]
+        ndim = tensors[0].dim()
+        axis = self._axis + ndim if self._axis < 0 else self._axis
+        if not 0 <= axis < ndim or any(t.dim() != ndim for t in tensors):
+            raise ValueError(f"Pad(axis={self._axis}) needs samples with the same number of dimensions, "
+                             f"more than the axis; got shapes {[tuple(t.shape) for t in tensors[:3]]}")
+        lengths = [int(t.shape[axis]) for t in tensors]
+        rest = {tuple(t.shape[:axis]) + tuple(t.shape[axis + 1:]) for t in tensors}
+        if len(rest) != 1:
+            raise ValueError(f"Pad(axis={self._axis}) needs samples that agree on every other axis, "
+                             f"got shapes {[tuple(t.shape) for t in tensors[:3]]}")
+        longest = max(lengths)
+        if self._round_to:
+            longest = -(-longest // self._round_to) * self._round_to
+        shape = list(tensors[0].shape)
+        shape[axis] = longest
+        pad_val = self._pad_val
+
+        def fill(out: torch.Tensor) -> None:
+            for row, t, length in zip(out, tensors, lengths):
+                row.narrow(axis, 0, length).copy_(t)
+                if length < longest:
+                    row.narrow(axis, length, longest - length).fill_(pad_val)
+
+        padded = Leaf((len(tensors), *shape), self._dtype or tensors[0].dtype, fill)
+        if self._ret_length:
+            return (padded, _plan_scalars(lengths, torch.int64))
+        return padded
+
+
+class Group(_Batchify):
+    """Apply one batchify function per field of tuple samples; returns a tuple.
+
+    Args:
+        *fns: one batchify function per field (or a single list/tuple of them).
+
+    Raises:
+        ValueError: at batch time, when a sample has a different number of fields.
+    """
+
+    def __init__(self, *fns: Any) -> None:
+        if len(fns) == 1 and isinstance(fns[0], (list, tuple)):
+            fns = tuple(fns[0])
+        if not fns or not all(callable(fn) for fn in fns):
+            raise TypeError(f"Group needs one or more batchify functions, got {fns!r}")
+        self._fns = fns
+
+    def _gloader_plan(self, samples: list[Any]) -> Any:
+        for sample in samples:
+            if not isinstance(sample, (tuple, list)) or len(sample) != len(self._fns):
+                raise ValueError(f"Group of {len(self._fns)} functions needs samples with {len(self._fns)} "
+                                 f"fields, got {type(sample).__name__} {sample!r:.80}")
+        return tuple(plan_batch(fn, [sample[i] for sample in samples]) for i, fn in enumerate(self._fns))
+
+
+Tuple = Group
+
+
+class Dict(_Batchify):
+    """Apply one batchify function per key of dict samples; returns a dict.
+
+    Args:
+        **fns: key -> batchify function; every sample must have exactly these keys.
+    """
+
+    def __init__(self, **fns: Callable[[list[Any]], Any]) -> None:
+        if not fns or not all(callable(fn) for fn in fns.values()):
+            raise TypeError(f"Dict needs one or more keyword batchify functions, got {fns!r}")
+        self._fns = fns
+
+    def _gloader_plan(self, samples: list[Any]) -> Any:
+        for sample in samples:
+            if not isinstance(sample, Mapping) or set(sample.keys()) != set(self._fns):
+                raise ValueError(f"Dict with keys {sorted(self._fns)} needs dict samples with exactly these keys, "
+                                 f"got {type(sample).__name__} {sample!r:.80}")
+        return {key: plan_batch(fn, [sample[key] for sample in samples]) for key, fn in self._fns.items()}
+
+
+class List(_Batchify):
+    """Keep the samples as a plain list (no stacking)."""
+
+    def _gloader_plan(self, samples: list[Any]) -> Any:
+        return Opaque(list(samples))

@@ -1,0 +1,459 @@
+"""DataLoader: Gluon's DataLoader API on a persistent, supervised worker pool.
+
+This module owns epochs (which batches, in which order, resumable) and the public API; the
+data flow below it is drawn in `_dispatch`.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from . import _pool
+from ._device import DevicePipeline, pin_batch
+from ._dispatch import BatchTimeoutError, Dispatcher, EpochRun
+from ._options import Options, check_last_batch, check_positive_int, validate_options
+from ._payload import build_payload
+from ._pool import PoolCore, WorkerExitedError, WorkerPool
+from ._seed import derive_batch_seed, draw_base_seed, preserved_global_rng, seed_global_rng
+from ._transport import SlotPool
+from ._tree import arrays_to_tensors
+from .batchify import default_batchify_fn
+from .dataset import IterableDataset
+from .sampler import BatchSampler, RandomSampler, SequentialSampler, dataset_length
+
+__all__ = ["DataLoader"]
+
+_LOADER_IDS = itertools.count(1)
+_STATE_KEYS = ("epoch", "batches_yielded", "sampler", "seed")
+# Deadline for a loader leaving a shared pool to see its batches in flight finish, so that
+# nothing it owns is written after it has released its shared memory.
+_LEAVE_SHARED_POOL_S = 5.0
+
+
+class _Runtime:
+    """A loader's running parts: pool (owned or shared), slots and dispatcher."""
+
+    def __init__(self, core: PoolCore, owns_core: bool, slots: SlotPool | None, dispatcher: Dispatcher,
+                 loader_id: int) -> None:
+        self.core = core
+        self.owns_core = owns_core
+        self.slots = slots
+        self.dispatcher = dispatcher
+        self.loader_id = loader_id
+
+    def close(self) -> None:
+        if self.owns_core:
+            self.core.close()
+        else:
+            self.dispatcher.drain(_LEAVE_SHARED_POOL_S)
+            self.core.announce_departure(self.loader_id)
+        if self.slots is not None:
+            self.slots.close()
+
+
+class _Resources:
+    """What the loader's finalizer and the exit hook release; holds no reference to the loader."""
+
+    def __init__(self) -> None:
+        self.runtime: _Runtime | None = None
+
+    def close(self) -> None:
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
+            runtime.close()
+
+    def close_from_gc(self) -> None:
+        if self.runtime is not None:
+            import warnings
+
+            warnings.warn("a gloader DataLoader with running workers was garbage-collected without close(); "
+                          "use `with DataLoader(...) as loader:` or call loader.close()", ResourceWarning)
+        self.close()
+
+
+class DataLoader:
+    """Loads batches from a dataset, in-process or on a persistent pool of workers.
+
+    Args:
+        dataset: any object with `__getitem__` and `__len__` (list, numpy array, tensor,
+            `torch.utils.data.Dataset`, `gloader.Dataset`).
+        batch_size: samples per batch, >= 1; required unless `batch_sampler` is given.
+        shuffle: draw a new permutation every epoch (excludes `sampler`).
+        sampler: yields sample indices (excludes `shuffle`).
+        last_batch: 'keep', 'discard' or 'rollover' (carry the remainder into the next epoch);
+            None means 'keep'.
+        batch_sampler: yields lists of indices (excludes batch_size, shuffle, sampler, last_batch).
+        batchify_fn: turns a list of samples into a batch; default: `default_batchify_fn`.
+        num_workers: worker processes (or threads); 0 loads in the calling thread.
+        pin_memory: pin batches in page-locked memory (for faster copies to CUDA).
+        pin_device_id: the CUDA device that pinned memory is meant for.
+        prefetch: most batches in flight; default 2 * num_workers.
+        thread_pool: run the workers as threads of this process.
+        timeout: most seconds to wait for one batch before raising a TimeoutError.
+        device: a CUDA device to move batches to (copied one batch ahead on a side stream).
+        worker_init_fn: called as `worker_init_fn(worker_id)` once in each worker.
+        seed: makes shuffling and per-batch random draws reproducible for any num_workers.
+        start_method: 'fork', 'spawn', 'forkserver' or None (the platform default).
+        pool: a `gloader.WorkerPool` to run on instead of starting one.
+
+    Raises:
+        TypeError, ValueError: for a bad argument or combination, naming the value.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = None, shuffle: bool = False, sampler: Any = None,
+                 last_batch: str | None = None, batch_sampler: Any = None,
+                 batchify_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0,
+                 pin_memory: bool = False, pin_device_id: int = 0, prefetch: int | None = None,
+                 thread_pool: bool = False, timeout: float = 120, *, device: Any = None,
+                 worker_init_fn: Callable[[int], None] | None = None, seed: int | None = None,
+                 start_method: str | None = None, pool: WorkerPool | None = None) -> None:
+        self._resources = _Resources()
+        self._finalizer = weakref.finalize(self, self._resources.close_from_gc)
+        self._closed = False
+        if pool is not None:
+            num_workers, thread_pool, start_method = self._take_pool_settings(pool, num_workers, thread_pool,
+                                                                                start_method)
+        self._options: Options = validate_options(
+            num_workers=num_workers, prefetch=prefetch, thread_pool=thread_pool, timeout=timeout,
+            pin_memory=pin_memory, pin_device_id=pin_device_id, device=device, start_method=start_method,
+            worker_init_fn=worker_init_fn, seed=seed, progress=False)
+        if batchify_fn is not None and not callable(batchify_fn):
+            raise TypeError(f"batchify_fn must be callable or None, got {batchify_fn!r}")
+        if not hasattr(dataset, "__getitem__") and not isinstance(dataset, IterableDataset):
+            raise TypeError(f"dataset must support __getitem__ and __len__ (or be a gloader.IterableDataset), "
+                            f"got {type(dataset).__name__}")
+        if isinstance(dataset, IterableDataset) and self._options.num_workers > 0:
+            raise NotImplementedError("an IterableDataset is loaded in-process only for now; use num_workers=0")
+        self._dataset = dataset
+        self._is_stream = isinstance(dataset, IterableDataset)
+        self._batch_sampler = self._build_batch_sampler(dataset, batch_size, shuffle, sampler, last_batch,
+                                                        batch_sampler, seed)
+        self._batchify_fn = batchify_fn or default_batchify_fn
+        self._pool = pool
+        self._id = next(_LOADER_IDS)
+        self._base_seed = seed if seed is not None else draw_base_seed()
+        self._next_epoch = 0
+        self._resume_skip = 0
+        self._current: EpochRun | None = None
+        self._upcoming: EpochRun | None = None
+        self._device = DevicePipeline(self._options.device) if self._options.device is not None else None
+        _pool.track(self._resources)
+
+    @staticmethod
+    def _take_pool_settings(pool: WorkerPool, num_workers: int, thread_pool: bool,
+                            start_method: str | None) -> tuple[int, bool, str | None]:
+        if not isinstance(pool, WorkerPool):
+            raise TypeError(f"pool must be a gloader.WorkerPool or None, got {type(pool).__name__}")
+        if num_workers not in (0, pool.num_workers):
+            raise ValueError(f"num_workers={num_workers} conflicts with pool= ({pool.num_workers} workers); "
+                             "leave num_workers out when passing a pool")
+        if thread_pool and not pool.thread_pool:
+            raise ValueError("thread_pool=True conflicts with pool=, a process pool; leave thread_pool out")
+        if start_method is not None and start_method != pool.start_method:
+            raise ValueError(f"start_method={start_method!r} conflicts with pool= (start_method="
+                             f"{pool.start_method!r}); leave start_method out when passing a pool")
+        return pool.num_workers, pool.thread_pool, pool.start_method
+
+    @staticmethod
+    def _build_batch_sampler(dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, last_batch: Any,
+                             batch_sampler: Any, seed: int | None) -> Any:
+        if batch_sampler is not None:
+            given = {"batch_size": batch_size, "shuffle": shuffle or None, "sampler": sampler,
+                     "last_batch": last_batch}
+            clashing = sorted(name for name, value in given.items() if value is not None)
+            if clashing:
+                raise ValueError(f"batch_sampler excludes {', '.join(clashing)}; pass either batch_sampler or "
+                                 "batch_size/shuffle/sampler/last_batch")
+            if not hasattr(batch_sampler, "__iter__"):
+                raise TypeError(f"batch_sampler must be iterable, got {type(batch_sampler).__name__}")
+            return batch_sampler
+        if batch_size is None:
+            raise ValueError("batch_size must be given unless batch_sampler is given, got batch_size=None")
+        mode = check_last_batch(last_batch)
+        if isinstance(dataset, IterableDataset):
+            if shuffle or sampler is not None:
+                raise ValueError("an IterableDataset has no indices: shuffle and sampler are not allowed")
+            check_positive_int("batch_size", batch_size)
+            if mode == "rollover":
+                raise ValueError("last_batch='rollover' needs a map-style dataset; use 'keep' or 'discard'")
+            return _StreamBatches(dataset, batch_size, mode)
+        if sampler is None:
+            length = dataset_length(dataset)
+            sampler = RandomSampler(length, seed) if shuffle else SequentialSampler(length)
+        elif shuffle:
+            raise ValueError(f"shuffle=True excludes sampler={sampler!r}; shuffle inside the sampler instead")
+        return BatchSampler(sampler, batch_size, mode)
+
+    # ---- epochs -------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise RuntimeError("this DataLoader is closed; create a new one")
+        if self._current is not None:
+            self._abandon(self._current)
+        run, self._upcoming = self._upcoming or self._new_run(), None
+        self._current = run
+        return _BatchIterator(self, run)
+
+    def __len__(self) -> int:
+        run = self._current if self._current is not None else self._upcoming
+        if run is not None:
+            return run.length - run.skipped
+        return len(self._batch_sampler) - self._resume_skip
+
+    def _new_run(self) -> EpochRun:
+        state = self._batch_sampler.state_dict() if hasattr(self._batch_sampler, "state_dict") else None
+        length = len(self._batch_sampler) if hasattr(self._batch_sampler, "__len__") else -1
+        skip, self._resume_skip = self._resume_skip, 0
+        batches = enumerate(iter(self._batch_sampler))
+        for _ in range(skip):
+            next(batches, None)
+        run = EpochRun(self._next_epoch, length, state, batches, skipped=skip, yielded=skip)
+        self._next_epoch += 1
+        return run
+
+    def _abandon(self, run: EpochRun) -> None:
+        if self._resources.runtime is not None:
+            self._resources.runtime.dispatcher.discard(run)
+        if run is self._current:
+            self._current = None
+
+    def _batch_seed(self, epoch: int, index: int) -> int:
+        return derive_batch_seed(self._base_seed, epoch, index)
+
+    def _next_host_batch(self, run: EpochRun) -> Any:
+        if run is not self._current:
+            raise StopIteration  # a newer iteration (or load_state_dict) replaced this one
+        if self._options.num_workers == 0:
+            return self._next_inline(run)
+        runtime = self._ensure_runtime()
+        self._fill(runtime.dispatcher)
+        if not run.pending:
+            self._current = None
+            raise StopIteration
+        task = run.pending.popleft()
+        run.yielded += 1
+        try:
+            batch = runtime.dispatcher.collect(task)
+        except (WorkerExitedError, BatchTimeoutError):
+            self._stop_runtime()
+            raise
+        self._fill(runtime.dispatcher)
+        return batch
+
+    def _fill(self, dispatcher: Dispatcher) -> None:
+        """Top the window up: the current epoch first, then the start of the next one."""
+        while dispatcher.has_room and self._current is not None:
+            run = self._current
+            if run.exhausted:
+                if self._upcoming is None:
+                    self._upcoming = self._new_run()
+                run = self._upcoming
+                if run.exhausted:
+                    return
+            dispatcher.submit_next(run, self._batch_seed)
+
+    def _next_inline(self, run: EpochRun) -> Any:
+        try:
+            index, indices = next(run.batches)
+        except StopIteration:
+            run.exhausted = True
+            self._current = None
+            raise
+        run.yielded += 1
+        if self._options.seed is None:
+            return self._load_inline(run.number, index, indices)
+        with preserved_global_rng():
+            seed_global_rng(self._batch_seed(run.number, index))
+            return self._load_inline(run.number, index, indices)
+
+    def _load_inline(self, epoch: int, index: int, indices: Any) -> Any:
+        if self._is_stream:  # the "indices" are the samples themselves
+            return arrays_to_tensors(self._batchify_fn(indices))
+        position = None
+        try:
+            samples = []
+            for position in indices:
+                samples.append(self._dataset[position])
+            position = None
+            return arrays_to_tensors(self._batchify_fn(samples))
+        except Exception as exc:
+            note = f"gloader: raised in the main process while loading batch {index} of epoch {epoch}"
+            exc.add_note(note + (f", at sample index {position}" if position is not None else ""))
+            raise
+
+    # ---- workers ------------------------------------------------------------------------
+
+    def _ensure_runtime(self) -> _Runtime:
+        runtime = self._resources.runtime
+        if runtime is not None:
+            return runtime
+        import multiprocess
+
+        opts = self._options
+        start_method = multiprocess.get_context(opts.start_method).get_start_method()
+        if self._pool is not None:
+            core = self._pool.core
+            prefix = f"{self._pool.shm_prefix}{self._id}_"
+            core.publish_payload(self._id, self._payload(prefix, pickled=True))
+        else:
+            prefix = f"gl{os.getpid()}_{os.urandom(4).hex()}_{self._id}_"
+            pickled = not opts.thread_pool and start_method != "fork"
+            core = PoolCore(opts.num_workers, opts.thread_pool, opts.start_method, prefix,
+                            [(self._id, self._payload(prefix, pickled))])
+        slots = None if opts.thread_pool else SlotPool(prefix, max_spare=opts.prefetch + 2)
+        dispatcher = Dispatcher(core, self._id, slots, opts.prefetch, opts.timeout_s)
+        runtime = _Runtime(core, self._pool is None, slots, dispatcher, self._id)
+        self._resources.runtime = runtime
+        return runtime
+
+    def _payload(self, prefix: str, pickled: bool) -> Any:
+        return build_payload(self._dataset, self._batchify_fn, self._options.worker_init_fn, self._base_seed,
+                             prefix, self._is_stream, pickled)
+
+    def _stop_runtime(self) -> None:
+        """After a dead worker or a timeout: shut the pool down; the next epoch starts a new one."""
+        self._current = None
+        self._upcoming = None
+        self._resources.close()
+
+    # ---- state and lifetime -------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return where the loader stands: enough for another loader to continue exactly.
+
+        Returns:
+            A plain picklable dict: the epoch, the batches of it already yielded, the batch
+            sampler's state at the epoch's start, and the base seed.
+        """
+        run = self._current
+        if run is not None and run.length >= 0 and run.yielded >= run.length and not run.exhausted:
+            for _ in run.batches:  # the caller has every batch: advance the sampler past the end
+                pass
+            run.exhausted = True
+        if run is None or (run.exhausted and run.yielded >= max(run.length, 0) and not run.pending):
+            run = self._upcoming
+        if run is not None:
+            return {"epoch": run.number, "batches_yielded": run.yielded, "sampler": run.sampler_state,
+                    "seed": self._base_seed}
+        state = self._batch_sampler.state_dict() if hasattr(self._batch_sampler, "state_dict") else None
+        return {"epoch": self._next_epoch, "batches_yielded": self._resume_skip, "sampler": state,
+                "seed": self._base_seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (made by `state_dict`): the next iteration yields exactly the
+        batches that were not yet yielded, in the same order, then the following epochs.
+
+        Raises:
+            ValueError: when `state` lacks a key that `state_dict` writes.
+        """
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"state is missing {missing}; pass a dict made by DataLoader.state_dict()")
+        for run in (self._current, self._upcoming):
+            if run is not None:
+                self._abandon(run)
+        self._current = self._upcoming = None
+        if state["sampler"] is not None and hasattr(self._batch_sampler, "load_state_dict"):
+            self._batch_sampler.load_state_dict(state["sampler"])
+        self._next_epoch = int(state["epoch"])
+        self._resume_skip = int(state["batches_yielded"])
+        self._base_seed = int(state["seed"])
+
+    def close(self) -> None:
+        """Stop the workers (or leave the shared pool) and release shared memory; idempotent.
+
+        Batches already yielded stay valid.
+        """
+        self._closed = True
+        for run in (self._current, self._upcoming):
+            if run is not None:
+                self._abandon(run)
+        self._current = self._upcoming = None
+        self._finalizer.detach()
+        self._resources.close()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker processes now running for this loader (empty before the first batch)."""
+        runtime = self._resources.runtime
+        return runtime.core.worker_pids() if runtime is not None else []
+
+    def __repr__(self) -> str:
+        opts = self._options
+        kind = "in-process" if opts.num_workers == 0 else (
+            f"{opts.num_workers} {'threads' if opts.thread_pool else 'processes'}")
+        return f"DataLoader(id={self._id}, {kind}, prefetch={opts.prefetch}, {'closed' if self._closed else 'open'})"
+
+
+class _StreamBatches:
+    """Groups an in-process IterableDataset's samples into lists of `batch_size`."""
+
+    def __init__(self, dataset: IterableDataset, batch_size: int, last_batch: str) -> None:
+        self._dataset = dataset
+        self._batch_size = batch_size
+        self._keep_last = last_batch == "keep"
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        stream = iter(self._dataset)
+        while True:
+            batch = list(itertools.islice(stream, self._batch_size))
+            if len(batch) == self._batch_size or (batch and self._keep_last):
+                yield batch
+            if len(batch) < self._batch_size:
+                return
+
+
+_END = object()
+
+
+class _BatchIterator:
+    """Iterates one epoch run; with a device, copies one batch ahead of the caller."""
+
+    def __init__(self, loader: DataLoader, run: EpochRun) -> None:
+        self._loader = loader
+        self._run = run
+        self._ahead: Any = None
+        self._ahead_error: BaseException | None = None
+
+    def __iter__(self) -> _BatchIterator:
+        return self
+
+    def __len__(self) -> int:
+        return self._run.length - self._run.skipped
+
+    def _host(self) -> Any:
+        batch = self._loader._next_host_batch(self._run)
+        opts = self._loader._options
+        if opts.pin_memory:
+            batch = pin_batch(batch, opts.pin_device_id)
+        return batch
+
+    def __next__(self) -> Any:
+        device = self._loader._device
+        if device is None:
+            return self._host()
+        if self._ahead is None:
+            self._ahead = device.to_device(self._host())
+        if self._ahead is _END:
+            raise StopIteration
+        if self._ahead_error is not None:
+            error, self._ahead_error, self._ahead = self._ahead_error, None, None
+            raise error
+        current = self._ahead
+        try:
+            self._ahead = device.to_device(self._host())
+        except StopIteration:
+            self._ahead = _END
+        except Exception as exc:  # raised at its own turn, after the batch before it
+            self._ahead_error = exc
+        return device.hand_over(*current)

@@ -1,0 +1,291 @@
+"""Samplers: which sample indices make up an epoch, and how they are grouped into batches.
+
+Gluon's samplers with Gluon's semantics, plus resumable state (`state_dict`) and a
+`DistributedSampler` for torch.distributed. Nothing here starts a process or touches CUDA.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from ._options import check_last_batch, check_positive_int
+
+__all__ = ["BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler", "RandomSampler",
+           "Sampler", "SequentialSampler"]
+
+
+class _Sized(Protocol):
+    def __len__(self) -> int: ...
+
+
+def _check_length(length: Any) -> int:
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+        raise TypeError(f"length must be a non-negative integer, got {length!r}")
+    if length < 0:
+        raise ValueError(f"length must be >= 0, got {length}")
+    return int(length)
+
+
+def dataset_length(dataset: Any) -> int:
+    """Return len(dataset), or a TypeError that says a map-style sampler needs it."""
+    try:
+        return len(dataset)
+    except TypeError:
+        raise TypeError(f"dataset {type(dataset).__name__} has no __len__, which a map-style sampler needs; "
+                        "give it __len__, or use gloader.IterableDataset for a stream") from None
+
+
+class Sampler:
+    """Base class of samplers: iterate over sample indices (or batches of them).
+
+    Subclasses implement `__iter__` and `__len__`; `state_dict`/`load_state_dict` may be
+    overridden by samplers that carry state across epochs (used by DataLoader resume).
+    """
+
+    def __iter__(self) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state that decides the next epoch's order (empty when there is none)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state returned by `state_dict`."""
+
+
+class SequentialSampler(Sampler):
+    """Yields `start, start+1, ..., start+length-1`.
+
+    Args:
+        length: number of indices.
+        start: first index.
+    """
+
+    def __init__(self, length: int, start: int = 0) -> None:
+        self._length = _check_length(length)
+        self._start = int(start)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._start, self._start + self._length))
+
+    def __len__(self) -> int:
+        return self._length
+
+
+class RandomSampler(Sampler):
+    """Yields a fresh permutation of `range(length)` every epoch.
+
+    Epoch `e` uses a generator seeded from `(seed, e)`, so a seeded sampler gives the same
+    sequence of permutations in any process. Without a seed one is drawn at construction.
+
+    Args:
+        length: number of indices.
+        seed: non-negative integer, or None for a random one.
+    """
+
+    def __init__(self, length: int, seed: int | None = None) -> None:
+        self._length = _check_length(length)
+        if seed is None:
+            seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1))
+        self._seed = int(seed)
+        self._epoch = 0
+
+    def __iter__(self) -> Iterator[int]:
+        rng = np.random.default_rng([self._seed, self._epoch])
+        self._epoch += 1
+        return iter(rng.permutation(self._length).tolist())
+
+    def __len__(self) -> int:
+        return self._length
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration use the permutation of `epoch`."""
+        self._epoch = int(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self._seed, "epoch": self._epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._seed = int(state["seed"])
+        self._epoch = int(state["epoch"])
+
+
+class IntervalSampler(Sampler):
+    """Yields `0, k, 2k, ...`, then (with rollover) `1, 1+k, ...` and so on.
+
+    Args:
+        length: number of indices.
+        interval: the stride k, >= 1.
+        rollover: continue with the next offset after each pass; False stops after offset 0.
+    """
+
+    def __init__(self, length: int, interval: int, rollover: bool = True) -> None:
+        self._length = _check_length(length)
+        self._interval = check_positive_int("interval", interval)
+        self._rollover = bool(rollover)
+
+    def __iter__(self) -> Iterator[int]:
+        for offset in range(self._interval if self._rollover else 1):
+            yield from range(offset, self._length, self._interval)
+
+    def __len__(self) -> int:
+        if self._rollover:
+            return self._length
+        return -(-self._length // self._interval)
+
+
+class FilterSampler(Sampler):
+    """Yields the indices `i` of `dataset` for which `fn(dataset[i])` is true.
+
+    Args:
+        fn: predicate on a sample.
+        dataset: any object with `__getitem__` and `__len__`; evaluated once, here.
+    """
+
+    def __init__(self, fn: Callable[[Any], bool], dataset: Any) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {fn!r}")
+        self._indices = [i for i in range(dataset_length(dataset)) if fn(dataset[i])]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+
+class BatchSampler(Sampler):
+    """Groups the indices of `sampler` into lists of `batch_size`.
+
+    Args:
+        sampler: yields sample indices.
+        batch_size: indices per batch, >= 1.
+        last_batch: what happens to a final batch shorter than `batch_size`: 'keep' yields it,
+            'discard' drops it, 'rollover' carries its indices into the front of the next epoch
+            (and `len()` counts them). None means 'keep'.
+    """
+
+    def __init__(self, sampler: Any, batch_size: int, last_batch: str | None = "keep") -> None:
+        self._sampler = sampler
+        self._batch_size = check_positive_int("batch_size", batch_size)
+        self._last_batch = check_last_batch(last_batch)
+        self._prev: list[Any] = []
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        batch, self._prev = self._prev, []
+        for index in self._sampler:
+            batch.append(index)
+            if len(batch) == self._batch_size:
+                yield batch
+                batch = []
+        if batch:
+            if self._last_batch == "keep":
+                yield batch
+            elif self._last_batch == "rollover":
+                self._prev = batch
+
+    def __len__(self) -> int:
+        total = len(self._sampler)
+        if self._last_batch == "keep":
+            return -(-total // self._batch_size)
+        if self._last_batch == "discard":
+            return total // self._batch_size
+        return (len(self._prev) + total) // self._batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        inner = self._sampler.state_dict() if hasattr(self._sampler, "state_dict") else {}
+        return {"prev": list(self._prev), "sampler": inner}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._prev = list(state["prev"])
+        if hasattr(self._sampler, "load_state_dict"):
+            self._sampler.load_state_dict(state["sampler"])
+
+
+_DISTRIBUTED_MODES = ("pad", "discard")
+
+
+def _default_distributed(name: str) -> int:
+    import torch.distributed as dist  # imported lazily: plain loaders never need it
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{name} was not given and torch.distributed is not initialized; pass "
+                         "num_replicas= and rank=, or call torch.distributed.init_process_group first")
+    return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
+
+
+class DistributedSampler(Sampler):
+    """Yields this rank's share of `range(length)`, the same count on every rank.
+
+    All ranks draw the same permutation for a given `(seed, epoch)` and take every
+    `num_replicas`-th index of it starting at `rank`, so shards are disjoint and, together,
+    cover the dataset.
+
+    Args:
+        length: dataset length.
+        num_replicas: number of ranks; default: torch.distributed's world size.
+        rank: this rank in [0, num_replicas); default: torch.distributed's rank.
+        shuffle: permute the indices every epoch (call `set_epoch` before each epoch).
+        seed: shared by all ranks.
+        last_batch: 'pad' repeats indices from the front so every rank gets
+            ceil(length / num_replicas) indices; 'discard' drops the tail so every rank gets
+            floor(length / num_replicas).
+
+    Raises:
+        ValueError: for a rank outside [0, num_replicas) or an unknown last_batch, or when a
+            default is needed and torch.distributed is not initialized.
+    """
+
+    def __init__(self, length: int, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, last_batch: str = "pad") -> None:
+        self._length = _check_length(length)
+        replicas = _default_distributed("num_replicas") if num_replicas is None else num_replicas
+        self._num_replicas = check_positive_int("num_replicas", replicas)
+        self._rank = _default_distributed("rank") if rank is None else int(rank)
+        if not 0 <= self._rank < self._num_replicas:
+            raise ValueError(f"rank must be in [0, {self._num_replicas}), got {self._rank}")
+        if last_batch not in _DISTRIBUTED_MODES:
+            raise ValueError(f"last_batch must be one of {_DISTRIBUTED_MODES}, got {last_batch!r}")
+        self._pad = last_batch == "pad"
+        self._shuffle = bool(shuffle)
+        self._seed = int(seed)
+        self._epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of `epoch`; call it with the same value on every rank."""
+        self._epoch = int(epoch)
+
+    def __len__(self) -> int:
+        if self._pad:
+            return -(-self._length // self._num_replicas)
+        return self._length // self._num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        if self._shuffle:
+            order = np.random.default_rng([self._seed, self._epoch]).permutation(self._length)
+        else:
+            order = np.arange(self._length)
+        total = len(self) * self._num_replicas
+        if total > self._length:
+            order = np.resize(order, total)  # np.resize repeats from the front
+        order = order[:total]
+        return iter(order[self._rank::self._num_replicas].tolist())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self._seed, "epoch": self._epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._seed = int(state["seed"])
+        self._epoch = int(state["epoch"])
+
+
+def as_index_list(indices: Sequence[Any]) -> list[int]:
+    """Return a batch's indices as plain ints, with a TypeError for anything else."""
+    try:
+        return [int(i) for i in indices]
+    except (TypeError, ValueError):
+        raise TypeError(f"a batch sampler must yield sequences of integer indices, got {indices!r}") from None

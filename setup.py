@@ -1,0 +1,32 @@
+"""Install gloader: `pip install -e '.[test]'` for development."""
+from setuptools import find_packages, setup
+
+setup(
+    name="gloader",
+    version="0.1.0",
+    description="Gluon-style, pool-based data loader for PyTorch with shared-memory batches",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["gloader", "gloader.*"]),
+    package_data={"gloader": ["py.typed"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "numpy>=1.24",
+        # A range that the local CPU build 2.13 satisfies; .ci/run installs that build first
+        # so pip never reaches for a multi-GB CUDA wheel.
+        "torch>=2.1,<3",
+        "multiprocess>=0.70.15",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7.4",
+            "pytest-timeout>=2.2",
+            "hypothesis>=6.80",
+            "psutil>=5.9",
+            "nbclient>=0.9",
+            "nbformat>=5.9",
+            "ipykernel>=6.25",
+        ],
+        "bench": ["matplotlib>=3.7", "psutil>=5.9"],
+    },
+)
