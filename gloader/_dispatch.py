@@ -184,6 +184,7 @@ class Dispatcher:
                     self._check(task, started, deadline)
         except BaseException:
             self._discarded.append(task)  # interrupted (Ctrl-C, timeout, dead worker): not ours any more
+            self._in_flight -= 1
             raise
         self._in_flight -= 1
         self._outstanding.discard(task)
@@ -229,7 +230,11 @@ class Dispatcher:
         return loads_handle(raw) if isinstance(raw, bytes) else raw
 
     def discard(self, run: EpochRun) -> None:
-        """Drop `run`'s batches in flight; their slots come back as they finish."""
+        """Drop `run`'s batches in flight; their slots come back as they finish.
+
+        They leave the window at once, so the next epoch is dispatched without waiting for them.
+        """
+        self._in_flight -= len(run.pending)
         self._discarded.extend(run.pending)
         run.pending.clear()
         self._reap_discarded()
@@ -240,7 +245,6 @@ class Dispatcher:
             if not task.result.ready():
                 keep.append(task)
                 continue
-            self._in_flight -= 1
             self._outstanding.discard(task)
             try:
                 message = self._decode(task.result.get(0))

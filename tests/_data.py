@@ -1,0 +1,195 @@
+"""Datasets, batchify functions and failure injectors that workers import (module level, so
+that spawn and forkserver workers can find them)."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+import gloader
+
+
+class RandomAugmented(gloader.Dataset):
+    """Sample i: (features drawn from the global generators of random, numpy and torch, i)."""
+
+    def __init__(self, length: int = 50) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        noise = np.array([random.random(), np.random.rand(), torch.rand(()).item()], dtype=np.float64)
+        return noise + idx, idx
+
+
+class WorkerRngDataset(gloader.Dataset):
+    """Draws from get_worker_info().rng: reproducible with thread workers too."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, idx: int) -> Any:
+        info = gloader.get_worker_info()
+        draw = info.rng.random() if info is not None else -1.0
+        return np.array([idx, draw])
+
+
+class Tagged(gloader.Dataset):
+    """Sample i is (tag, i): tells loaders apart."""
+
+    def __init__(self, tag: int, length: int = 30) -> None:
+        self.tag = tag
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        return np.array([self.tag, idx], dtype=np.int64)
+
+
+class RaisesAt(gloader.Dataset):
+    """Raises `error` (a LookupError subclass by default) when sample `bad` is loaded."""
+
+    def __init__(self, bad: int, length: int = 40) -> None:
+        self.bad = bad
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.bad:
+            raise CustomLookupError(f"sample {idx} is corrupt")
+        return np.array([idx], dtype=np.int64)
+
+
+class CustomLookupError(LookupError):
+    """A user exception type that must reach the caller unchanged."""
+
+
+class UnrebuildableError(Exception):
+    """Pickles, but cannot be rebuilt from its args (needs two)."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+
+
+class RaisesUnrebuildable(gloader.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, idx: int) -> Any:
+        raise UnrebuildableError(7, "bad record")
+
+
+class DiesAt(gloader.Dataset):
+    """The worker loading sample `bad` ends itself: 'exit' (os._exit(3)), 'kill' (SIGKILL), 'segv'."""
+
+    def __init__(self, bad: int, how: str, length: int = 64) -> None:
+        self.bad = bad
+        self.how = how
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.bad and gloader.get_worker_info() is not None:
+            if self.how == "exit":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSEGV)
+        return np.array([idx], dtype=np.int64)
+
+
+class Sleepy(gloader.Dataset):
+    """Sample `slow` takes `seconds` to load (a stuck read)."""
+
+    def __init__(self, slow: int, seconds: float, length: int = 16) -> None:
+        self.slow = slow
+        self.seconds = seconds
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.slow:
+            time.sleep(self.seconds)
+        return np.array([idx], dtype=np.int64)
+
+
+class Unpicklable(gloader.Dataset):
+    """Holds a lock three levels down: cannot be sent to spawn workers."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.config = {"reader": {"lock": threading.Lock()}}
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, idx: int) -> Any:
+        return idx
+
+
+class BreaksOnUnpickle(gloader.Dataset):
+    """Pickles fine, but raises when a worker unpickles it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, idx: int) -> Any:
+        return idx
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ("the index file is missing on this host",))
+
+
+def _refuse(message: str) -> Any:
+    raise FileNotFoundError(message)
+
+
+def failing_init(worker_id: int) -> None:
+    raise PermissionError(f"worker {worker_id} cannot open the database")
+
+
+def record_init(worker_id: int) -> None:
+    os.environ["GLOADER_TEST_WORKER_ID"] = str(worker_id)
+
+
+class InitRecorder(gloader.Dataset):
+    """Returns what worker_init_fn recorded in the worker, and the worker's pid."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, idx: int) -> Any:
+        return np.array([int(os.environ.get("GLOADER_TEST_WORKER_ID", "-1")), os.getpid()], dtype=np.int64)
+
+
+def failing_batchify(samples: list[Any]) -> Any:
+    raise ValueError(f"cannot batch {len(samples)} samples")
+
+
+def sum_batchify(samples: list[Any]) -> Any:
+    """A user batchify function returning numpy (copied once into shared memory)."""
+    return np.stack([np.asarray(s) for s in samples]).sum(axis=0, keepdims=True)
+
+
+class Records(gloader.Dataset):
+    """Mixed structure: dict of arrays, ints, floats, bools, strings, nested tuples."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, idx: int) -> Any:
+        return {"x": np.arange(6, dtype=np.float32).reshape(2, 3) + idx, "label": idx, "weight": idx / 2,
+                "flag": idx % 2 == 0, "name": f"item{idx}", "pair": (np.int16(idx), torch.tensor([idx, -idx]))}

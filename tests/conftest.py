@@ -1,0 +1,78 @@
+"""Fixtures shared by all tests: the leak guard and helpers for checking it."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Iterator
+
+import psutil
+import pytest
+
+# Grace period for the operating system to reap children and for daemon threads to finish
+# after close() returned. Polled, not slept: the check passes as soon as counts are back.
+_SETTLE_S = 5.0
+
+
+def _helper_pids() -> set[int]:
+    """Long-lived helpers started by multiprocess itself (forkserver, resource tracker)."""
+    pids = set()
+    try:
+        from multiprocess import forkserver, resource_tracker
+
+        for pid in (getattr(forkserver._forkserver, "_forkserver_pid", None),
+                    getattr(resource_tracker._resource_tracker, "_pid", None)):
+            if pid:
+                pids.add(pid)
+    except ImportError:
+        pass
+    return pids
+
+
+def snapshot() -> dict[str, set]:
+    me = psutil.Process()
+    return {
+        "children": {p.pid for p in me.children(recursive=True)} - _helper_pids(),
+        "threads": {t.ident for t in threading.enumerate()},
+        "fds": set(os.listdir("/proc/self/fd")),
+        "shm": {n for n in os.listdir("/dev/shm") if n.startswith("gl")},
+    }
+
+
+def leaks(before: dict[str, set]) -> dict[str, set]:
+    """What exists now that did not before, after waiting up to _SETTLE_S for it to go."""
+    deadline = time.monotonic() + _SETTLE_S
+    while True:
+        now = snapshot()
+        extra = {key: now[key] - before[key] for key in now}
+        extra["children"] -= _helper_pids()
+        extra = {key: value for key, value in extra.items() if value}
+        if not extra or time.monotonic() > deadline:
+            return extra
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _warm_shared_heap() -> None:
+    """Start multiprocess's process-wide helpers before the first leak snapshot: the heap
+    arena of synchronized values (two fds), the resource tracker (spawn; one pipe) and the
+    forkserver (one pipe). Each is made once per process and reused, never per loader."""
+    import multiprocess
+    from multiprocess import forkserver, resource_tracker
+
+    multiprocess.get_context("fork").Value("i", 0)
+    resource_tracker.ensure_running()
+    forkserver.ensure_running()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(_warm_shared_heap: None) -> Iterator[None]:
+    """Fail any test that leaves child processes, threads, fds or /dev/shm segments behind."""
+    import gc
+
+    gc.collect()
+    before = snapshot()
+    yield
+    gc.collect()
+    extra = leaks(before)
+    assert not extra, f"test leaked: {extra}"

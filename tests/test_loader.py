@@ -1,0 +1,321 @@
+"""The DataLoader contract: every mode yields what the in-process loader yields, resumably."""
+from __future__ import annotations
+
+import gc
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gloader
+from gloader import ArrayDataset, DataLoader, SimpleDataset
+
+from tests import _data
+
+pytestmark = pytest.mark.timeout(60)
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def assert_same_batch(got: Any, want: Any) -> None:
+    assert type(got) is type(want), (type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, (got, want)
+        assert torch.equal(got, want), (got, want)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same_batch(g, w)
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        for key in want:
+            assert_same_batch(got[key], want[key])
+    else:
+        assert got == want
+
+
+def assert_loader_contract(dataset: Any, epochs: int = 2, resume_at: int = 2, **kwargs: Any) -> None:
+    """`kwargs` (with workers) yields the in-process batches; state_dict resumes exactly."""
+    inline_kwargs = {k: v for k, v in kwargs.items() if k not in ("num_workers", "thread_pool", "start_method")}
+    with DataLoader(dataset, **inline_kwargs) as inline:
+        expected = [[b for b in inline] for _ in range(epochs)]
+    with DataLoader(dataset, **kwargs) as loader:
+        for epoch in range(epochs):
+            got = list(loader)
+            assert len(got) == len(expected[epoch])
+            for g, w in zip(got, expected[epoch]):
+                assert_same_batch(g, w)
+        # Resume: stop mid-epoch, continue in a fresh loader.
+        it = iter(loader)
+        for _ in range(resume_at):
+            next(it)
+        state = loader.state_dict()
+        rest_expected = list(it) + list(loader)
+    with DataLoader(dataset, **kwargs) as resumed:
+        resumed.load_state_dict(state)
+        rest = list(resumed) + list(resumed)
+    assert len(rest) == len(rest_expected)
+    for g, w in zip(rest, rest_expected):
+        assert_same_batch(g, w)
+
+
+MODES = [pytest.param({"thread_pool": True}, id="threads")] + [
+    pytest.param({"start_method": m}, id=f"processes-{m}") for m in START_METHODS]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("last_batch", ["keep", "discard", "rollover"])
+def test_workers_yield_the_inline_batches_and_resume(mode: dict, last_batch: str) -> None:
+    # Thread workers share the global generators, so their draws cannot be reproducible;
+    # they get a deterministic dataset (see test_worker_rng_is_reproducible_with_threads...).
+    dataset = _data.Records() if mode.get("thread_pool") else _data.RandomAugmented(45)
+    assert_loader_contract(dataset, batch_size=8, shuffle=True, seed=7,
+                           last_batch=last_batch, num_workers=2, **mode)
+
+
+def test_same_seed_gives_bit_identical_batches_for_any_num_workers() -> None:
+    runs = []
+    for workers in (0, 1, 2, 3):
+        with DataLoader(_data.RandomAugmented(40), batch_size=6, shuffle=True, seed=3,
+                        num_workers=workers) as loader:
+            runs.append([list(loader) for _ in range(2)])
+    for other in runs[1:]:
+        assert_same_batch(other, runs[0])
+    # And the two epochs differ (new permutation, new draws).
+    assert not torch.equal(runs[0][0][0][1], runs[0][1][0][1])
+
+
+def test_different_seeds_give_different_draws() -> None:
+    with DataLoader(_data.RandomAugmented(12), batch_size=4, seed=1) as a, \
+            DataLoader(_data.RandomAugmented(12), batch_size=4, seed=2) as b:
+        assert not torch.equal(next(iter(a))[0], next(iter(b))[0])
+
+
+def test_inline_seeding_leaves_the_callers_generators_untouched() -> None:
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    expected = (random.random(), np.random.rand(), torch.rand(()).item())
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    with DataLoader(_data.RandomAugmented(10), batch_size=4, seed=9, shuffle=True) as loader:
+        list(loader)
+    assert (random.random(), np.random.rand(), torch.rand(()).item()) == expected
+
+
+@pytest.mark.parametrize("thread_pool", [False, True])
+def test_worker_rng_is_reproducible_with_threads_and_processes(thread_pool: bool) -> None:
+    results = []
+    for workers in (1, 3):
+        with DataLoader(_data.WorkerRngDataset(), batch_size=5, seed=11, num_workers=workers,
+                        thread_pool=thread_pool) as loader:
+            results.append(torch.cat(list(loader)))
+    assert torch.equal(results[0], results[1])
+    assert (results[0][:, 1] >= 0).all()  # get_worker_info() was set in every worker
+
+
+def test_get_worker_info_is_none_in_the_main_process() -> None:
+    assert gloader.get_worker_info() is None
+    with DataLoader(_data.WorkerRngDataset(), batch_size=5) as loader:
+        assert (next(iter(loader))[:, 1] == -1).all()
+
+
+def test_worker_init_fn_runs_once_per_worker_with_its_id() -> None:
+    with DataLoader(_data.InitRecorder(), batch_size=2, num_workers=2, worker_init_fn=_data.record_init) as loader:
+        rows = torch.cat([b for _ in range(2) for b in loader])
+    by_pid = {}
+    for worker_id, pid in rows.tolist():
+        by_pid.setdefault(pid, set()).add(worker_id)
+    assert all(len(ids) == 1 for ids in by_pid.values())
+    assert {next(iter(ids)) for ids in by_pid.values()} <= {0, 1}
+    assert len(by_pid) == 2 or set().union(*by_pid.values()) <= {0, 1}
+
+
+def test_pool_is_created_once_and_reused_by_every_epoch() -> None:
+    with DataLoader(np.arange(64), batch_size=8, num_workers=2) as loader:
+        assert loader.worker_pids() == []
+        list(loader)
+        pids = loader.worker_pids()
+        assert len(pids) == 2
+        for _ in range(3):
+            list(loader)
+            assert loader.worker_pids() == pids
+
+
+@pytest.mark.parametrize("thread_pool", [False, True])
+def test_breaking_out_then_next_epoch_yields_the_whole_epoch(thread_pool: bool) -> None:
+    with DataLoader(np.arange(50), batch_size=5, num_workers=2, thread_pool=thread_pool) as loader:
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+        full = torch.cat(list(loader))
+    assert full.tolist() == list(range(50))
+
+
+@pytest.mark.parametrize("thread_pool", [False, True])
+def test_interleaved_loaders_each_yield_only_their_own_data(thread_pool: bool) -> None:
+    loaders = [DataLoader(_data.Tagged(tag, 30), batch_size=4, num_workers=2, thread_pool=thread_pool)
+               for tag in (1, 2, 3)]
+    try:
+        for _ in range(2):
+            iters = [iter(loader) for loader in loaders]
+            seen: dict[int, list[int]] = {1: [], 2: [], 3: []}
+            for step in range(8):
+                for tag, it in zip((1, 2, 3), iters):
+                    batch = next(it, None)
+                    if batch is not None:
+                        assert (batch[:, 0] == tag).all()
+                        seen[tag] += batch[:, 1].tolist()
+            assert all(indices == list(range(30)) for indices in seen.values())
+    finally:
+        for loader in loaders:
+            loader.close()
+
+
+@pytest.mark.parametrize("num_workers, thread_pool", [(0, False), (2, False), (2, True)])
+def test_worker_error_keeps_type_traceback_and_indices_and_loader_stays_usable(num_workers: int,
+                                                                               thread_pool: bool) -> None:
+    with DataLoader(_data.RaisesAt(13), batch_size=4, num_workers=num_workers, thread_pool=thread_pool) as loader:
+        it = iter(loader)
+        got = [next(it) for _ in range(3)]
+        with pytest.raises(_data.CustomLookupError, match="sample 13 is corrupt") as info:
+            next(it)
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "batch 3" in notes and "sample index 13" in notes
+        if num_workers:
+            assert "RaisesAt" in str(info.value.__cause__) or "__getitem__" in str(info.value.__cause__)
+        rest = list(it)  # the next batch still works
+        assert torch.cat(got + rest).flatten().tolist() == [i for i in range(40) if not 12 <= i < 16]
+        assert torch.cat([b for b in loader if True] if False else list(_skip_errors(loader))).numel() == 36
+
+
+def _skip_errors(loader: DataLoader) -> Any:
+    it = iter(loader)
+    while True:
+        try:
+            yield next(it)
+        except StopIteration:
+            return
+        except _data.CustomLookupError:
+            continue
+
+
+def test_exception_that_cannot_be_rebuilt_still_arrives_with_its_message() -> None:
+    with DataLoader(_data.RaisesUnrebuildable(), batch_size=4, num_workers=1) as loader:
+        with pytest.raises(Exception, match="7: bad record") as info:
+            next(iter(loader))
+    assert type(info.value).__name__ in ("UnrebuildableError", "RuntimeError")
+
+
+def test_len_counts_rollover_remainder() -> None:
+    with DataLoader(np.arange(10), batch_size=4, last_batch="rollover") as loader:
+        lengths = []
+        for _ in range(4):
+            lengths.append(len(loader))
+            assert len(list(loader)) == lengths[-1]
+    assert lengths == [2, 3, 2, 3]
+
+
+def test_accepts_lists_arrays_tensors_and_torch_datasets() -> None:
+    class TorchDataset(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, idx: int) -> Any:
+            return torch.tensor([idx, idx * 2])
+
+    for data in (list(range(6)), np.arange(6), torch.arange(6), SimpleDataset(list(range(6)))):
+        with DataLoader(data, batch_size=4) as loader:
+            assert torch.cat(list(loader)).tolist() == list(range(6))
+    with DataLoader(TorchDataset(), batch_size=3, num_workers=1) as loader:
+        assert torch.cat(list(loader))[:, 1].tolist() == [0, 2, 4, 6, 8, 10]
+
+
+def test_structured_samples_batch_the_same_in_workers_and_inline() -> None:
+    assert_loader_contract(_data.Records(), batch_size=5, num_workers=2, resume_at=1)
+    with DataLoader(_data.Records(), batch_size=5, num_workers=2) as loader:
+        batch = next(iter(loader))
+    assert batch["x"].dtype == torch.float32 and batch["x"].shape == (5, 2, 3)
+    assert batch["label"].dtype == torch.int64 and batch["weight"].dtype == torch.float64
+    assert batch["flag"].dtype == torch.bool and batch["name"] == [f"item{i}" for i in range(5)]
+    assert batch["pair"][0].dtype == torch.int16 and batch["pair"][1].shape == (5, 2)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"batch_size": 0}, ValueError, "batch_size must be >= 1, got 0"),
+    ({"batch_size": 2.5}, TypeError, "batch_size must be a positive integer, got 2.5"),
+    ({"batch_size": None}, ValueError, "batch_size must be given"),
+    ({"batch_size": 2, "num_workers": -1}, ValueError, "num_workers must be >= 0, got -1"),
+    ({"batch_size": 2, "prefetch": -2}, ValueError, "prefetch must be >= 0, got -2"),
+    ({"batch_size": 2, "last_batch": "drop"}, ValueError, "last_batch must be one of .* got 'drop'"),
+    ({"batch_size": 2, "shuffle": True, "sampler": [0, 1]}, ValueError, "shuffle=True excludes sampler"),
+    ({"batch_sampler": [[0, 1]], "batch_size": 2}, ValueError, "batch_sampler excludes batch_size"),
+    ({"batch_sampler": [[0, 1]], "shuffle": True}, ValueError, "batch_sampler excludes shuffle"),
+    ({"batch_sampler": [[0, 1]], "sampler": [0]}, ValueError, "batch_sampler excludes sampler"),
+    ({"batch_sampler": [[0, 1]], "last_batch": "keep"}, ValueError, "batch_sampler excludes last_batch"),
+    ({"batch_size": 2, "timeout": 0}, ValueError, "timeout must be > 0 seconds, got 0"),
+    ({"batch_size": 2, "timeout": -1}, ValueError, "timeout must be > 0 seconds, got -1"),
+    ({"batch_size": 2, "start_method": "thread"}, ValueError, "start_method must be one of .* got 'thread'"),
+    ({"batch_size": 2, "seed": "x"}, TypeError, "seed must be an integer or None, got 'x'"),
+    ({"batch_size": 2, "worker_init_fn": 3}, TypeError, "worker_init_fn must be callable"),
+    ({"batch_size": 2, "batchify_fn": 3}, TypeError, "batchify_fn must be callable"),
+    ({"batch_size": 2, "device": "tpu"}, ValueError, "device"),
+])
+def test_bad_arguments_raise_at_construction_naming_the_value(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        DataLoader(list(range(4)), **kwargs)
+
+
+def test_dataset_without_len_is_rejected_by_map_style_sampler() -> None:
+    class NoLen:
+        def __getitem__(self, idx: int) -> int:
+            return idx
+
+    with pytest.raises(TypeError, match="NoLen has no __len__"):
+        DataLoader(NoLen(), batch_size=2)
+    with pytest.raises(TypeError, match="dataset must support __getitem__"):
+        DataLoader(42, batch_size=2)
+
+
+def test_cuda_device_without_cuda_is_a_clear_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        DataLoader([1, 2], batch_size=1, device="cuda:0")
+
+
+@pytest.mark.parametrize("mode", [{"start_method": "fork"}, {"start_method": "spawn"}, {"thread_pool": True}])
+def test_close_and_with_release_everything(mode: dict) -> None:
+    loader = DataLoader(np.arange(40), batch_size=4, num_workers=2, **mode)
+    it = iter(loader)
+    kept = next(it)
+    loader.close()
+    loader.close()  # idempotent
+    assert kept.tolist() == [0, 1, 2, 3]  # a batch the caller holds survives close
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader)
+
+
+def test_garbage_collected_loader_shuts_down_with_a_resource_warning() -> None:
+    loader = DataLoader(np.arange(40), batch_size=4, num_workers=2)
+    next(iter(loader))
+    with pytest.warns(ResourceWarning, match="garbage-collected without close"):
+        del loader
+        gc.collect()
+
+
+def test_unstarted_loader_is_collected_silently() -> None:
+    loader = DataLoader(np.arange(4), batch_size=2, num_workers=2)
+    del loader
+    gc.collect()
+
+
+def test_array_dataset_zips_and_single_array_gives_plain_items() -> None:
+    ds = ArrayDataset(np.arange(5), torch.arange(5) * 10)
+    assert ds[2][0] == 2 and ds[2][1].item() == 20
+    assert ArrayDataset(np.arange(5))[3] == 3
+    with pytest.raises(ValueError, match=r"same length, got lengths \[5, 4\]"):
+        ArrayDataset(np.arange(5), np.arange(4))
