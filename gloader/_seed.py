@@ -23,10 +23,26 @@ def draw_base_seed() -> int:
     return int(np.random.SeedSequence().generate_state(2, np.uint64)[0]) & _SEED_MASK
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's finalizer: a bijection on 64-bit ints that spreads every input bit."""
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK64
+    return value ^ (value >> 31)
+
+
 def derive_batch_seed(base_seed: int, epoch: int, batch_index: int) -> int:
-    """Return the 63-bit seed of one batch; stable across processes and platforms."""
-    state = np.random.SeedSequence([base_seed, epoch, batch_index]).generate_state(1, np.uint64)
-    return int(state[0]) & _SEED_MASK
+    """Return the 63-bit seed of one batch; stable across processes and platforms.
+
+    Computed per batch in the caller, so it is a few integer operations (SplitMix64 applied
+    to each part in turn) rather than a SeedSequence (~16 us).
+    """
+    value = _mix64(base_seed & _MASK64)
+    value = _mix64((value + (epoch & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64)
+    value = _mix64((value + (batch_index & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64)
+    return value & _SEED_MASK
 
 
 def seed_global_rng(seed: int) -> None:

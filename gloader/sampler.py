@@ -5,6 +5,7 @@ Gluon's samplers with Gluon's semantics, plus resumable state (`state_dict`) and
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -177,11 +178,18 @@ class BatchSampler(Sampler):
 
     def __iter__(self) -> Iterator[list[Any]]:
         batch, self._prev = self._prev, []
-        for index in self._sampler:
-            batch.append(index)
+        indices = iter(self._sampler)
+        if batch:
+            batch.extend(itertools.islice(indices, self._batch_size - len(batch)))
             if len(batch) == self._batch_size:
                 yield batch
                 batch = []
+        if not batch:
+            while True:  # islice takes whole batches at C speed
+                batch = list(itertools.islice(indices, self._batch_size))
+                if len(batch) < self._batch_size:
+                    break
+                yield batch
         if batch:
             if self._last_batch == "keep":
                 yield batch
