@@ -215,8 +215,9 @@ def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: 
         started = time.perf_counter()
         order = np.frombuffer(indices, dtype=np.int64)
         samples: list[Any] = []
+        append, load = samples.append, registration.dataset.__getitem__
         for sample_index in order.tolist():
-            samples.append(registration.dataset[sample_index])
+            append(load(sample_index))
         sample_index = None
         fetched = time.perf_counter()
         batchify_fn: Any = registration.batchify_fn
