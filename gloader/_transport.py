@@ -196,7 +196,9 @@ def pack_batch(plan: Any, slot: str | None, slot_capacity: int, prefix: str, cac
     for leaf in leaves:
         offsets[id(leaf)] = total
         total += _round_up(leaf.nbytes, _ALIGN_BYTES)
-    if not leaves:
+    if total == 0:  # nothing to write (no tensors, or only empty ones): no segment needed
+        for leaf in leaves:
+            leaf.fill(torch.empty(leaf.shape, dtype=leaf.dtype))
         return (None, 0, False, _encode(plan, offsets))
     created = slot is None or total > slot_capacity
     if created:
@@ -237,6 +239,8 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
         count = 1
         for size in shape:
             count *= size
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
         view = torch.from_numpy(base[start:start + count * dtype.itemsize])
         return view.view(dtype).view(shape)
     if kind == "o":

@@ -32,6 +32,10 @@ _STATE_KEYS = ("epoch", "batches_yielded", "sampler", "seed")
 # Deadline for a loader leaving a shared pool to see its batches in flight finish, so that
 # nothing it owns is written after it has released its shared memory.
 _LEAVE_SHARED_POOL_S = 5.0
+# Free shared-memory slots a loader keeps mapped beyond those in flight and those the caller
+# holds. Two cover the batch being handed over and the one the caller just dropped. Larger:
+# fewer new segments after the caller holds a burst of batches; smaller: less idle memory.
+_SPARE_SLOTS = 2
 
 
 class _Runtime:
@@ -305,7 +309,7 @@ class DataLoader:
             pickled = not opts.thread_pool and start_method != "fork"
             core = PoolCore(opts.num_workers, opts.thread_pool, opts.start_method, prefix,
                             [(self._id, self._payload(prefix, pickled))])
-        slots = None if opts.thread_pool else SlotPool(prefix, max_spare=opts.prefetch + 2)
+        slots = None if opts.thread_pool else SlotPool(prefix, max_spare=_SPARE_SLOTS)
         dispatcher = Dispatcher(core, self._id, slots, opts.prefetch, opts.timeout_s)
         runtime = _Runtime(core, self._pool is None, slots, dispatcher, self._id)
         self._resources.runtime = runtime

@@ -1,0 +1,91 @@
+"""Batchify: dtype and structure rules, planned and materialized the same way."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gloader.batchify import Dict, Group, List, Pad, Stack, Tuple, default_batchify_fn
+
+
+def test_default_rules_for_scalars_and_strings() -> None:
+    assert default_batchify_fn([1, 2]).dtype == torch.int64
+    assert default_batchify_fn([1.0, 2]).dtype == torch.float64
+    assert default_batchify_fn([True, False]).dtype == torch.bool
+    assert default_batchify_fn(["a", "b"]) == ["a", "b"]
+    assert default_batchify_fn([b"x", b"y"]) == [b"x", b"y"]
+
+
+def test_default_stacks_arrays_and_tensors_keeping_dtype() -> None:
+    for dtype in (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64,
+                  np.complex64, np.bool_):
+        out = default_batchify_fn([np.zeros((2, 3), dtype), np.ones((2, 3), dtype)])
+        assert out.dtype == torch.from_numpy(np.zeros(1, dtype)).dtype and out.shape == (2, 2, 3)
+    out = default_batchify_fn([torch.zeros(2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16)])
+    assert out.dtype == torch.bfloat16 and out.tolist() == [[0, 0], [1, 1]]
+
+
+def test_default_recurses_into_tuples_and_dicts() -> None:
+    out = default_batchify_fn([(np.array([1]), {"k": 1.5, "s": "a"}), (np.array([2]), {"k": 2.5, "s": "b"})])
+    assert isinstance(out, list) and out[0].tolist() == [[1], [2]]
+    assert out[1]["k"].tolist() == [1.5, 2.5] and out[1]["s"] == ["a", "b"]
+
+
+def test_default_rejects_different_shapes_and_suggests_pad() -> None:
+    with pytest.raises(ValueError, match="different shapes.*Pad"):
+        default_batchify_fn([np.zeros(2), np.zeros(3)])
+
+
+def test_pad_pads_to_longest_with_lengths_and_round_to() -> None:
+    padded, lengths = Pad(pad_val=-1, ret_length=True, round_to=4)([np.array([1, 2]), np.array([3, 4, 5])])
+    assert padded.tolist() == [[1, 2, -1, -1], [3, 4, 5, -1]]
+    assert lengths.tolist() == [2, 3] and lengths.dtype == torch.int64
+
+
+def test_pad_along_inner_axis_and_dtype() -> None:
+    out = Pad(axis=1, dtype="float32")([np.ones((2, 1)), np.ones((2, 3))])
+    assert out.shape == (2, 2, 3) and out.dtype == torch.float32
+    assert out[0, :, 1:].abs().sum() == 0
+
+
+def test_pad_rejects_mismatched_other_axes() -> None:
+    with pytest.raises(ValueError, match="agree on every other axis"):
+        Pad(axis=0)([np.ones((2, 2)), np.ones((3, 3))])
+
+
+def test_group_dict_list_stack() -> None:
+    out = Group(Stack(), Pad(), List())([(1, [1], "a"), (2, [1, 2], "b")])
+    assert isinstance(out, tuple) and out[0].tolist() == [1, 2] and out[1].tolist() == [[1, 0], [1, 2]]
+    assert out[2] == ["a", "b"]
+    assert Tuple([Stack(), Stack()])([(1, 2), (3, 4)])[1].tolist() == [2, 4]
+    d = Dict(x=Stack(dtype=np.float32), y=List())([{"x": 1, "y": "p"}, {"x": 2, "y": "q"}])
+    assert d["x"].dtype == torch.float32 and d["y"] == ["p", "q"]
+    with pytest.raises(ValueError, match="needs samples with 2 fields"):
+        Group(Stack(), Stack())([(1, 2, 3)])
+    with pytest.raises(ValueError, match="exactly these keys"):
+        Dict(x=Stack())([{"y": 1}])
+
+
+def test_user_callables_inside_group_work() -> None:
+    out = Group(lambda xs: np.array(xs) * 2, Stack())([(1, 2), (3, 4)])
+    assert out[0].tolist() == [2, 6] and isinstance(out[0], torch.Tensor)
+
+
+@given(st.lists(st.integers(min_value=0, max_value=6), min_size=1, max_size=8), st.integers(-3, 3))
+def test_pad_property_every_row_holds_its_sample_then_padding(lengths: list[int], pad_val: int) -> None:
+    samples = [np.arange(n) + 10 for n in lengths]
+    out = Pad(pad_val=pad_val)(samples)
+    assert out.shape == (len(samples), max(lengths))
+    for row, sample in zip(out.tolist(), samples):
+        assert row[:len(sample)] == sample.tolist() and all(v == pad_val for v in row[len(sample):])
+
+
+def test_bad_batchify_arguments_name_the_value() -> None:
+    with pytest.raises(TypeError, match="dtype must be a numeric numpy or torch dtype, got 'text'"):
+        Stack(dtype="text")
+    with pytest.raises(ValueError, match="round_to must be an integer >= 1 or None, got 0"):
+        Pad(round_to=0)
+    with pytest.raises(TypeError, match="Group needs one or more batchify functions"):
+        Group()

@@ -1,0 +1,41 @@
+"""The public surface is exactly the names in DESIGN.md."""
+from __future__ import annotations
+
+import inspect
+
+import gloader
+from gloader import batchify, sampler
+
+
+def test_all_is_sorted_and_exact() -> None:
+    assert gloader.__all__ == sorted(gloader.__all__)
+    assert set(gloader.__all__) == {"ArrayDataset", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset",
+                                    "WorkerInfo", "WorkerPool", "batchify", "get_worker_info", "sampler"}
+    assert set(batchify.__all__) >= {"Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn"}
+    assert set(sampler.__all__) == {"BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler",
+                                    "RandomSampler", "Sampler", "SequentialSampler"}
+
+
+def test_exported_names_report_module_gloader() -> None:
+    for name in gloader.__all__:
+        obj = getattr(gloader, name)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            assert obj.__module__ == "gloader", name
+
+
+def test_dataloader_signature_matches_the_contract() -> None:
+    params = inspect.signature(gloader.DataLoader).parameters
+    positional = ["dataset", "batch_size", "shuffle", "sampler", "last_batch", "batch_sampler", "batchify_fn",
+                  "num_workers", "pin_memory", "pin_device_id", "prefetch", "thread_pool", "timeout"]
+    assert [p for p in params if params[p].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD] == positional
+    defaults = {name: params[name].default for name in params if name != "dataset"}
+    assert defaults == {"batch_size": None, "shuffle": False, "sampler": None, "last_batch": None,
+                        "batch_sampler": None, "batchify_fn": None, "num_workers": 0, "pin_memory": False,
+                        "pin_device_id": 0, "prefetch": None, "thread_pool": False, "timeout": 120,
+                        "device": None, "worker_init_fn": None, "seed": None, "start_method": None, "pool": None}
+    assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY
+               for n in ("device", "worker_init_fn", "seed", "start_method", "pool"))
+
+
+def test_batchify_tuple_is_group() -> None:
+    assert batchify.Tuple is batchify.Group
