@@ -25,7 +25,7 @@ from typing import Any, Callable
 from ._options import START_METHODS, check_positive_int
 from ._registry import Payload
 from ._transport import unlink_prefix
-from ._worker import STATUS_FIELDS, PoolSpec, initialize_worker
+from ._worker import STATUS_FIELDS, STATUS_ROWS_PER_WORKER, PoolSpec, initialize_worker
 
 __all__ = ["PoolCore", "WorkerExitedError", "WorkerPool", "describe_exit"]
 
@@ -147,7 +147,8 @@ class PoolCore:
         self._closed = False
         self._watched: list[Any] = []
         ctx = multiprocess.get_context(start_method)
-        status = None if is_thread else ctx.Array("q", [-1] * (num_workers * STATUS_FIELDS), lock=False)
+        status = None if is_thread else ctx.Array("q", [-1] * (num_workers * STATUS_ROWS_PER_WORKER * STATUS_FIELDS),
+                                                 lock=False)
         self.spec = PoolSpec(is_thread=is_thread, num_workers=num_workers, counter=ctx.Value("i", 0),
                              status=status, main_pid=os.getpid(), shm_prefix=shm_prefix,
                              payload_dir=self.payload_dir, generation=ctx.Value("i", 0))
@@ -194,11 +195,11 @@ class PoolCore:
 
     def _has_started(self, pid: int) -> bool:
         status = self.spec.status
-        return any(status[row * STATUS_FIELDS] == pid for row in range(self.num_workers))
+        return any(status[row * STATUS_FIELDS] == pid for row in range(self.num_workers * STATUS_ROWS_PER_WORKER))
 
     def _doing(self, pid: int) -> str:
         status = self.spec.status
-        for row in range(self.num_workers):
+        for row in range(self.num_workers * STATUS_ROWS_PER_WORKER):
             base = row * STATUS_FIELDS
             if status[base] == pid and status[base + 3] >= 0:
                 return (f". It was loading batch {status[base + 3]} of epoch {status[base + 2]} "

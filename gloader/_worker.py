@@ -27,7 +27,7 @@ from ._seed import seed_global_rng
 from .batchify import plan_batch
 from ._transport import SegmentCache, dumps_handle, pack_batch, unlink_prefix
 
-__all__ = ["PoolSpec", "STATUS_FIELDS", "initialize_worker", "run_batch"]
+__all__ = ["PoolSpec", "STATUS_FIELDS", "STATUS_ROWS_PER_WORKER", "initialize_worker", "run_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 _PARENT_POLL_S = 0.2
 # Columns of the shared status table, one row per worker: what it is loading right now.
 STATUS_FIELDS = 4  # pid, loader id, epoch, batch index (-1 when idle)
+# Rows per worker slot in the status table: the pool starts a replacement when a worker
+# dies, and the replacement must not overwrite the row that tells what the dead one did.
+STATUS_ROWS_PER_WORKER = 4
 # Segments a process worker keeps mapped; see SegmentCache.
 _MAX_MAPPED_SEGMENTS = 32
 # glibc malloc settings for process workers. By default glibc serves blocks over 128 KiB
@@ -55,7 +58,7 @@ class PoolSpec:
     is_thread: bool
     num_workers: int
     counter: Any  # a synchronized int: hands out worker ids
-    status: Any  # synchronized int64 array of num_workers * STATUS_FIELDS, or None for threads
+    status: Any  # shared int64 table, num_workers * STATUS_ROWS_PER_WORKER rows; None for threads
     main_pid: int
     shm_prefix: str  # every segment of this pool's loaders starts with it
     payload_dir: str  # payload files of loaders that join the running pool
@@ -65,23 +68,37 @@ class PoolSpec:
 _SPEC: PoolSpec | None = None
 _CACHE = SegmentCache(_MAX_MAPPED_SEGMENTS)
 _SEEN_GENERATION = 0
+_STATUS_ROW = [-1]  # this process worker's row offset in the status table
 _THREAD_SPEC = threading.local()
 
 
-def _watch_parent(main_pid: int, shm_prefix: str) -> None:
-    """Exit when the caller is gone, after removing the caller's segments (it cannot)."""
-    parent = os.getppid()
+def _is_orphaned(parent: int, main_pid: int) -> bool:
+    if os.getppid() != parent:
+        return True
+    try:
+        os.kill(main_pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def _remove_orphaned_segments(parent: int, main_pid: int, shm_prefix: str) -> None:
+    """At worker exit: if the caller is gone, remove its segments (it no longer can).
+
+    Registered with multiprocess's exit finalizers, because a worker whose caller was killed
+    usually leaves through EOF on its task pipe, before the watchdog below wakes up.
+    """
+    if _is_orphaned(parent, main_pid):
+        unlink_prefix(shm_prefix)
+
+
+def _watch_parent(parent: int, main_pid: int, shm_prefix: str) -> None:
+    """Exit when the caller is gone, after removing the caller's segments."""
     while True:
         time.sleep(_PARENT_POLL_S)
-        gone = os.getppid() != parent
-        if not gone:
-            try:
-                os.kill(main_pid, 0)
-            except ProcessLookupError:
-                gone = True
-            except PermissionError:
-                pass
-        if gone:
+        if _is_orphaned(parent, main_pid):
             unlink_prefix(shm_prefix)
             os._exit(0)
 
@@ -119,9 +136,15 @@ def initialize_worker(spec: PoolSpec, registrations: list[tuple[int, Payload]]) 
 
             torch.set_num_threads(1)  # one worker, one core: intra-op threads only contend
             _keep_freed_memory()
-            row = (worker_id % spec.num_workers) * STATUS_FIELDS
+            _STATUS_ROW[0] = (worker_id % (spec.num_workers * STATUS_ROWS_PER_WORKER)) * STATUS_FIELDS
+            row = _STATUS_ROW[0]
             spec.status[row:row + STATUS_FIELDS] = [os.getpid(), -1, -1, -1]
-            threading.Thread(target=_watch_parent, args=(spec.main_pid, spec.shm_prefix),
+            from multiprocess import util
+
+            parent = os.getppid()
+            util.Finalize(None, _remove_orphaned_segments, args=(parent, spec.main_pid, spec.shm_prefix),
+                          exitpriority=10)
+            threading.Thread(target=_watch_parent, args=(parent, spec.main_pid, spec.shm_prefix),
                              name="gloader-parent-watch", daemon=True).start()
         for loader_id, payload in registrations:
             _registry.register_loader(loader_id, payload)
@@ -197,7 +220,7 @@ def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: 
     try:
         if spec is not None and not is_thread:
             _refresh_registry(spec)
-            row = _registry.current_identity()[0] * STATUS_FIELDS  # type: ignore[index]  # set by initializer
+            row = _STATUS_ROW[0]
             spec.status[row + 1:row + STATUS_FIELDS] = [loader_id, epoch, batch_index]
         registration = _find_registration(spec, loader_id)
         if registration is None:
@@ -232,7 +255,17 @@ def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: 
         _registry.set_current_info(None)
         if row >= 0 and spec is not None:
             spec.status[row + 3] = -1
-    return message if is_thread else dumps_handle(message)
+    if is_thread:
+        return message
+    try:
+        return dumps_handle(message)
+    except Exception as exc:  # a non-tensor part of the batch cannot be pickled, even by dill
+        if message[0] == "ok" and message[1][2]:
+            _CACHE.forget(message[1][0])
+            unlink_prefix(message[1][0])  # this worker created it and still owns it
+        text = traceback.format_exc()
+        return dumps_handle(_error_message(exc, text, "the batch could not be pickled for the caller",
+                                           batch_index, None, False))
 
 
 def _batch_in_thread(batchify_fn: Any, samples: list[Any]) -> Any:

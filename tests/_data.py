@@ -126,12 +126,10 @@ class Sleepy(gloader.Dataset):
 
 
 class Unpicklable(gloader.Dataset):
-    """Holds a lock three levels down: cannot be sent to spawn workers."""
+    """Holds a generator three levels down: cannot be sent to spawn workers, even by dill."""
 
     def __init__(self) -> None:
-        import threading
-
-        self.config = {"reader": {"lock": threading.Lock()}}
+        self.config = {"reader": {"stream": (line for line in ["a", "b"])}}
 
     def __len__(self) -> int:
         return 4
@@ -193,3 +191,21 @@ class Records(gloader.Dataset):
     def __getitem__(self, idx: int) -> Any:
         return {"x": np.arange(6, dtype=np.float32).reshape(2, 3) + idx, "label": idx, "weight": idx / 2,
                 "flag": idx % 2 == 0, "name": f"item{idx}", "pair": (np.int16(idx), torch.tensor([idx, -idx]))}
+
+
+class IgnoresTerm(gloader.Dataset):
+    """The worker loading sample 0 ignores SIGTERM and hangs: only SIGKILL stops it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == 0 and gloader.get_worker_info() is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(60)
+        return np.array([idx])
+
+
+def generator_batchify(samples: list[Any]) -> Any:
+    """Returns a batch holding generators: cannot be pickled back to the caller, even by dill."""
+    return [(x for x in range(2)) for _ in samples]

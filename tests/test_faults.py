@@ -1,0 +1,262 @@
+"""The fault matrix: every failure ends in a clear exception or a clean shutdown, never a
+hang, and leaks nothing (the autouse fixture in conftest checks processes, threads, fds and
+/dev/shm after every test)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Iterator
+
+import numpy as np
+import psutil
+import pytest
+
+from gloader import DataLoader
+from gloader._dispatch import BatchTimeoutError
+
+from tests import _data
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("how, says", [
+    ("exit", "exited with code 3; likely cause: os._exit"),
+    ("kill", "SIGKILL; likely cause: it was killed, most often by the out-of-memory killer"),
+    ("segv", "SIGSEGV; likely cause: a crash in native code"),
+])
+def test_dead_worker_raises_within_two_seconds_naming_pid_signal_batch_and_cause(start_method: str, how: str,
+                                                                                   says: str) -> None:
+    with DataLoader(_data.DiesAt(bad=20, how=how), batch_size=4, num_workers=2, start_method=start_method) as loader:
+        _check_dead_worker_report(loader, says)
+
+
+def _check_dead_worker_report(loader: DataLoader, says: str) -> None:
+    it = iter(loader)
+    next(it)
+    pids = loader.worker_pids()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=says) as info:
+        for _ in it:
+            pass
+    assert time.monotonic() - started < 2.0
+    message = str(info.value)
+    assert "pid" in message and any(str(pid) in message for pid in pids)
+    assert "batch 5 of epoch 0" in message
+    # The pool was shut down; the next epoch starts a fresh one and still works up to the bad sample.
+    assert loader.worker_pids() == []
+    batches = []
+    with pytest.raises(RuntimeError):
+        for batch in loader:
+            batches.append(batch)
+    assert loader.worker_pids() == []
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_failing_worker_init_fn_is_reported_on_first_batch_without_respawn_loop(start_method: str) -> None:
+    with DataLoader(np.arange(16), batch_size=4, num_workers=2, start_method=start_method,
+                    worker_init_fn=_data.failing_init) as loader:
+        it = iter(loader)
+        with pytest.raises(PermissionError, match="cannot open the database") as info:
+            next(it)
+        assert "worker_init_fn raised" in "\n".join(info.value.__notes__)
+        pids = loader.worker_pids()
+        with pytest.raises(PermissionError):
+            next(it)
+        assert loader.worker_pids() == pids and len(pids) == 2  # same workers: no respawn loop
+
+
+def test_dataset_that_fails_to_unpickle_in_the_worker_names_the_dataset() -> None:
+    with DataLoader(_data.BreaksOnUnpickle(), batch_size=2, num_workers=1, start_method="spawn") as loader:
+        with pytest.raises(FileNotFoundError, match="index file is missing") as info:
+            next(iter(loader))
+    assert "the dataset could not be unpickled in the worker" in "\n".join(info.value.__notes__)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_unpicklable_dataset_fails_before_workers_start_naming_the_attribute_path(start_method: str) -> None:
+    with DataLoader(_data.Unpicklable(), batch_size=2, num_workers=2, start_method=start_method) as loader:
+        with pytest.raises(TypeError, match=r"dataset cannot be pickled.*dataset\.config\['reader'\]\['stream'\] \(generator\)"):
+            next(iter(loader))
+        assert loader.worker_pids() == []
+
+
+def test_unpicklable_worker_init_fn_is_named() -> None:
+    stream = (i for i in range(3))
+    with DataLoader(np.arange(4), batch_size=2, num_workers=1, start_method="spawn",
+                    worker_init_fn=lambda i: next(stream)) as loader:
+        with pytest.raises(TypeError, match="worker_init_fn cannot be pickled"):
+            next(iter(loader))
+
+
+def test_unpicklable_fields_work_under_fork_without_pickling() -> None:
+    with DataLoader(_data.Unpicklable(), batch_size=2, num_workers=2, start_method="fork") as loader:
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("thread_pool", [False, True])
+def test_batchify_error_keeps_type_and_loader_goes_on(thread_pool: bool) -> None:
+    with DataLoader(np.arange(8), batch_size=4, num_workers=2, thread_pool=thread_pool,
+                    batchify_fn=_data.failing_batchify) as loader:
+        with pytest.raises(ValueError, match="cannot batch 4 samples"):
+            next(iter(loader))
+
+
+def test_batch_that_cannot_be_pickled_back_is_a_clear_error() -> None:
+    with DataLoader(np.arange(8), batch_size=4, num_workers=1, batchify_fn=_data.generator_batchify) as loader:
+        with pytest.raises(TypeError) as info:
+            next(iter(loader))
+    assert "the batch could not be pickled for the caller" in "\n".join(info.value.__notes__)
+
+
+@pytest.mark.parametrize("thread_pool", [False, True])
+def test_slow_batch_raises_timeout_error_with_elapsed_index_and_setting(thread_pool: bool) -> None:
+    loader = DataLoader(_data.Sleepy(slow=5, seconds=4.0), batch_size=4, num_workers=2, timeout=0.5,
+                        thread_pool=thread_pool)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(BatchTimeoutError, match=r"batch 1 of epoch 0.*more than 0\.\d s.*timeout=0.5") as info:
+        next(it)
+    assert isinstance(info.value, TimeoutError)
+    started = time.monotonic()
+    loader.close()
+    assert time.monotonic() - started < 5.0
+
+
+def test_close_with_batches_in_flight_returns_within_five_seconds() -> None:
+    loader = DataLoader(_data.Sleepy(slow=9, seconds=30.0), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    started = time.monotonic()
+    loader.close()
+    assert time.monotonic() - started < 5.0
+
+
+def test_shutdown_ladder_escalates_to_kill_and_logs_each_rung(caplog: pytest.LogCaptureFixture) -> None:
+    loader = DataLoader(_data.IgnoresTerm(), batch_size=2, num_workers=1, timeout=0.3)
+    with pytest.raises(BatchTimeoutError):
+        next(iter(loader))  # the worker is stuck in sample 0 with SIGTERM ignored; timeout closes
+    loader.close()
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("terminating them" in m for m in messages)
+    assert any("killing them" in m for m in messages)
+
+
+@contextlib.contextmanager
+def _run_script(tmp_path, body: str) -> Iterator[subprocess.Popen]:
+    """Run `body` as the main block of a script; always reap it and close its pipes."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {ROOT!r})
+        import numpy as np
+        from gloader import DataLoader
+        from tests import _data
+        if __name__ == "__main__":
+        """) + textwrap.indent(textwrap.dedent(body), "    "))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def _wait_line(proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
+    line = proc.stdout.readline()
+    assert line, f"child printed nothing; stderr: {proc.stderr.read()}"
+    return line.strip()
+
+
+def _gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path) -> None:
+    with _run_script(tmp_path, """
+        loader = DataLoader(_data.Sleepy(slow=3, seconds=30.0), batch_size=2, num_workers=2)
+        it = iter(loader)
+        next(it)
+        try:
+            print(" ".join(map(str, loader.worker_pids())), loader._resources.runtime.slots.prefix, flush=True)
+            next(it)  # sample 3 takes 30 s: SIGINT arrives while the caller waits here
+        except KeyboardInterrupt:
+            print("interrupted", time.monotonic(), flush=True)
+            raise
+        """) as proc:
+        pids_text, prefix = _wait_line(proc).rsplit(" ", 1)
+        pids = [int(p) for p in pids_text.split()]
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        line = _wait_line(proc)
+        assert line.startswith("interrupted") and float(line.split()[1]) - sent < 1.0
+        proc.wait(10)
+        stderr = proc.stderr.read()
+    assert "KeyboardInterrupt" in stderr and "Exception ignored" not in stderr and "ResourceWarning" not in stderr
+    assert _gone(pids, 5.0)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path) -> None:
+    with _run_script(tmp_path, """
+        loader = DataLoader(np.arange(4096, dtype=np.float32).reshape(512, 8), batch_size=16, num_workers=2)
+        held = [b for b in loader]
+        print(" ".join(map(str, loader.worker_pids())), loader._resources.runtime.slots.prefix, flush=True)
+        time.sleep(60)
+        """) as proc:
+        pids_text, prefix = _wait_line(proc).rsplit(" ", 1)
+        pids = [int(p) for p in pids_text.split()]
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]  # the caller holds batches
+        proc.kill()
+        proc.wait(10)
+    assert _gone(pids, 5.0)
+    deadline = time.monotonic() + 5.0
+    while [n for n in os.listdir("/dev/shm") if n.startswith(prefix)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def test_interpreter_exit_with_a_live_loader_is_prompt_and_quiet(tmp_path) -> None:
+    with _run_script(tmp_path, """
+        loader = DataLoader(_data.Sleepy(slow=5, seconds=30.0), batch_size=2, num_workers=2)
+        it = iter(loader)
+        next(it)
+        print(loader._resources.runtime.slots.prefix, flush=True)
+        """) as proc:
+        prefix = _wait_line(proc)
+        started = time.monotonic()
+        assert proc.wait(10) == 0
+        assert time.monotonic() - started < 6.0
+        stderr = proc.stderr.read()
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def test_soak_fifty_loaders_and_two_hundred_epochs_leave_counts_unchanged() -> None:
+    from tests.conftest import leaks, snapshot
+
+    before = snapshot()
+    for i in range(50):
+        with DataLoader(np.arange(64), batch_size=8, num_workers=2, thread_pool=i % 5 == 0) as loader:
+            assert sum(len(b) for b in loader) == 64
+    with DataLoader(np.arange(32, dtype=np.float32), batch_size=8, num_workers=2, shuffle=True) as loader:
+        for _ in range(200):
+            assert sum(len(b) for b in loader) == 32
+    assert leaks(before) == {}
