@@ -46,10 +46,15 @@ def derive_batch_seed(base_seed: int, epoch: int, batch_index: int) -> int:
 
 
 def seed_global_rng(seed: int) -> None:
-    """Seed Python's `random`, numpy's legacy global generator and torch's CPU generator."""
+    """Seed Python's `random`, numpy's legacy global generator and torch's CPU generator.
+
+    Only the CPU generator: `torch.manual_seed` also walks every device's generators (96 us
+    per batch here against 1 us), and loading never draws on a device (workers never touch
+    CUDA; in-process loading saves and restores the CPU generator only).
+    """
     random.seed(seed)
     np.random.seed(seed & 0xFFFFFFFF)
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
 
 
 @contextlib.contextmanager

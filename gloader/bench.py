@@ -152,8 +152,8 @@ def _summary(values: list[float]) -> str:
     return f"{statistics.median(values):8.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def run(quick: bool, rounds: int) -> dict[str, Any]:
-    """Run every workload; returns the raw per-round measurements."""
+def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any]:
+    """Run the workloads (all, or those named in `only`); returns per-round measurements."""
     size = calibrate_cpu_work()
     scale = 0.1 if quick else 1.0
     workloads = [
@@ -164,8 +164,11 @@ def run(quick: bool, rounds: int) -> dict[str, Any]:
         Workload("W3", "CPU-bound ~0.5 ms/sample, batch 32", lambda: CpuBoundDataset(20_000, size), 32, 64 * 4 + 8,
                  int(100 * scale) or 10),
     ]
+    if only is not None:
+        workloads = [w for w in workloads if w.name in only]
     latency_epochs = 5
-    progress = _Progress(rounds * (len(workloads) + 1) * 2)
+    with_latency = only is None or "W4" in only
+    progress = _Progress(rounds * (len(workloads) + with_latency) * 2)
     results: dict[str, Any] = {"rounds": rounds, "cpu_work_size": size}
     for work in workloads:
         dataset = work.make()
@@ -185,6 +188,8 @@ def run(quick: bool, rounds: int) -> dict[str, Any]:
             "mb_per_s": {k: [samples * work.sample_bytes / t / 1e6 for t in v] for k, v in times.items()},
             "ratio": [t_torch / t_gl for t_gl, t_torch in zip(times["gloader"], times["torch"])],
         }
+    if not with_latency:
+        return results
     # W4: fresh loaders per round, so epoch 1 includes starting the workers.
     small = ImageDataset(64 * 12)
     lat: dict[str, list[list[float]]] = {"gloader": [], "torch": []}
@@ -210,10 +215,14 @@ def report(results: dict[str, Any]) -> str:
              "| workload | gloader samples/s | torch samples/s | gloader MB/s | torch MB/s | gloader/torch |",
              "|---|---|---|---|---|---|"]
     for name in ("W1", "W2", "W3"):
+        if name not in results:
+            continue
         res = results[name]
         lines.append(f"| {name} {res['title']} | {_summary(res['samples_per_s']['gloader'])} | "
                      f"{_summary(res['samples_per_s']['torch'])} | {_summary(res['mb_per_s']['gloader'])} | "
                      f"{_summary(res['mb_per_s']['torch'])} | **{_summary(res['ratio'])}x** |")
+    if "W4" not in results:
+        return "\n".join(lines)
     w4 = results["W4"]
     lines += ["", "| W4 first batch (W2 data) | gloader ms | torch ms | torch/gloader |", "|---|---|---|---|"]
     for key, label in (("epoch1_ms", "epoch 1 (starts workers)"), ("later_ms", "epochs 2-5 (median)")):
@@ -256,13 +265,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gloader.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small run, under a minute")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
-    parser.add_argument("--plot", metavar="FILE.png", help="also save a chart")
+    parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (all workloads only)")
+    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W4)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 5)
     if rounds < 1:
         parser.error(f"--rounds must be >= 1, got {rounds}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  # checked now, not after a five-minute run
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
+    only = None
+    if args.workloads:
+        only = {w.strip().upper() for w in args.workloads.split(",")}
+        unknown = only - {"W1", "W2", "W3", "W4"}
+        if unknown:
+            parser.error(f"--workloads takes W1, W2, W3, W4; got {sorted(unknown)}")
+        if args.plot:
+            parser.error("--plot needs every workload; leave --workloads out")
     torch.set_num_threads(1)
-    results = run(args.quick, rounds)
+    results = run(args.quick, rounds, only)
     sys.stdout.write(report(results) + "\n")
     if args.plot:
         plot(results, args.plot)

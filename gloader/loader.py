@@ -55,6 +55,11 @@ class _Runtime:
         else:
             self.dispatcher.drain(_LEAVE_SHARED_POOL_S)
             self.core.announce_departure(self.loader_id)
+        if self.core.is_thread:
+            # Thread workers share this process's registry: drop the dataset here and now.
+            from ._registry import unregister_loader
+
+            unregister_loader(self.loader_id)
         if self.slots is not None:
             self.slots.close()
 

@@ -209,3 +209,20 @@ class IgnoresTerm(gloader.Dataset):
 def generator_batchify(samples: list[Any]) -> Any:
     """Returns a batch holding generators: cannot be pickled back to the caller, even by dill."""
     return [(x for x in range(2)) for _ in samples]
+
+
+class RegistryProbe(gloader.Dataset):
+    """Sample i is (tag, i, pid, ids of the loaders registered in the loading worker...)."""
+
+    def __init__(self, tag: int, length: int = 24) -> None:
+        self.tag = tag
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        from gloader import _registry
+
+        ids = sorted(_registry._LOADERS)[:6]
+        return np.array([self.tag, idx, os.getpid(), len(ids)] + ids + [-1] * (6 - len(ids)), dtype=np.int64)

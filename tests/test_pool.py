@@ -1,0 +1,132 @@
+"""Shared WorkerPool: several loaders on one pool, joining and leaving while it runs."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+import gloader
+from gloader import DataLoader, WorkerPool
+
+from tests import _data
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("kind", [{}, {"thread_pool": True}, {"start_method": "spawn"}])
+def test_loaders_share_a_pool_interleaved_each_seeing_only_its_data(kind: dict) -> None:
+    with WorkerPool(2, **kind) as pool:
+        loaders = [DataLoader(_data.Tagged(tag, 20), batch_size=3, pool=pool, shuffle=True, seed=tag)
+                   for tag in (1, 2, 3)]
+        try:
+            for _ in range(2):
+                iters = [iter(loader) for loader in loaders]
+                seen: dict[int, list[int]] = {1: [], 2: [], 3: []}
+                for _ in range(8):
+                    for tag, it in zip((1, 2, 3), iters):
+                        batch = next(it, None)
+                        if batch is not None:
+                            assert (batch[:, 0] == tag).all()
+                            seen[tag] += batch[:, 1].tolist()
+                assert all(sorted(v) == list(range(20)) for v in seen.values())
+        finally:
+            for loader in loaders:
+                loader.close()
+
+
+def test_shared_pool_batches_match_an_owned_pool() -> None:
+    with DataLoader(_data.RandomAugmented(30), batch_size=4, num_workers=2, seed=5, shuffle=True) as own:
+        expected = list(own)
+    with WorkerPool(2) as pool, DataLoader(_data.RandomAugmented(30), batch_size=4, pool=pool, seed=5,
+                                           shuffle=True) as shared:
+        got = list(shared)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+
+
+def test_loader_joins_running_pool_and_leaving_drops_its_dataset_from_workers() -> None:
+    with WorkerPool(2) as pool:
+        first = DataLoader(_data.RegistryProbe(1), batch_size=2, pool=pool)
+        list(first)
+        pids = set(p.pid for p in pool.core.pool._pool)
+        second = DataLoader(_data.RegistryProbe(2), batch_size=2, pool=pool)
+        rows = torch.cat(list(second))
+        assert set(p.pid for p in pool.core.pool._pool) == pids  # joined without restarting workers
+        assert set(rows[:, 2].tolist()) <= pids
+        first_id = first._id
+        first.close()
+        # Every worker drops the departed loader at its next task.
+        for _ in range(3):
+            rows = torch.cat(list(second))
+        late = rows[-8:]
+        assert all(first_id not in row[4:].tolist() for row in late)
+        assert (rows[:, 0] == 2).all()
+        second.close()
+
+
+def test_thread_pool_loader_close_unregisters_its_dataset() -> None:
+    from gloader import _registry
+
+    with DataLoader(np.arange(8), batch_size=2, num_workers=2, thread_pool=True) as loader:
+        list(loader)
+        assert loader._id in _registry._LOADERS
+    assert loader._id not in _registry._LOADERS
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_workers": 3}, "num_workers=3 conflicts with pool="),
+    ({"thread_pool": True}, "thread_pool=True conflicts with pool="),
+    ({"start_method": "spawn"}, "start_method='spawn' conflicts with pool="),
+])
+def test_conflicting_settings_with_pool_are_value_errors(kwargs: dict, match: str) -> None:
+    with WorkerPool(2) as pool:
+        with pytest.raises(ValueError, match=match):
+            DataLoader([1, 2], batch_size=1, pool=pool, **kwargs)
+
+
+def test_worker_pool_argument_errors() -> None:
+    with pytest.raises(ValueError, match="num_workers must be >= 1, got 0"):
+        WorkerPool(0)
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        WorkerPool(1, start_method="threads")
+    with pytest.raises(TypeError, match="pool must be a gloader.WorkerPool"):
+        DataLoader([1], batch_size=1, pool="pool")
+
+
+def test_pool_dropped_without_close_is_cleaned_up_with_a_warning() -> None:
+    pool = WorkerPool(2)
+    with pytest.warns(ResourceWarning, match="WorkerPool was garbage-collected while running"):
+        del pool
+        gc.collect()
+
+
+def test_loader_on_closed_pool_fails_clearly() -> None:
+    pool = WorkerPool(1)
+    loader = DataLoader([1, 2], batch_size=1, pool=pool)
+    pool.close()
+    with pytest.raises(RuntimeError, match="WorkerPool is closed"):
+        next(iter(loader))
+    loader.close()
+
+
+def test_three_notebook_loaders_deleted_in_any_order_never_affect_each_other() -> None:
+    with WorkerPool(2) as pool:
+        made = {name: DataLoader(_data.Tagged(tag, 12), batch_size=4, pool=pool)
+                for tag, name in enumerate(("train", "val", "test"), start=1)}
+        for order in (("val", "train", "test"),):
+            for name in order:
+                for other, loader in made.items():
+                    if loader is not None:
+                        tag = ("train", "val", "test").index(other) + 1
+                        assert all((b[:, 0] == tag).all() for b in loader)
+                made[name].close()
+                made[name] = None
+    for mode in ({"num_workers": 2}, {"num_workers": 2, "thread_pool": True}):
+        loaders = [DataLoader(_data.Tagged(t, 12), batch_size=4, **mode) for t in (1, 2, 3)]
+        for drop in (2, 0, 1):
+            loaders[drop].close()
+            for t, loader in enumerate(loaders, start=1):
+                if not loader._closed:
+                    assert all((b[:, 0] == t).all() for b in loader)
+        assert gloader.get_worker_info() is None
