@@ -142,6 +142,10 @@ class DataLoader:
         self._batch_sampler = self._build_batch_sampler(dataset, batch_size, shuffle, sampler, last_batch,
                                                         batch_sampler, seed)
         self._batchify_fn = batchify_fn or default_batchify_fn
+        # Dispatch the next epoch's first batches before the caller asks for them only when
+        # this loader built the sampler: a user's sampler may be changed between epochs
+        # (DistributedSampler.set_epoch), which batches drawn early would not see.
+        self._lookahead = sampler is None and batch_sampler is None
         self._pool = pool
         self._id = next(_LOADER_IDS)
         self._base_seed = seed if seed is not None else draw_base_seed()
@@ -260,6 +264,8 @@ class DataLoader:
             run = self._current
             if run.exhausted:
                 if self._upcoming is None:
+                    if not self._lookahead:
+                        return
                     self._upcoming = self._new_run()
                 run = self._upcoming
                 if run.exhausted:

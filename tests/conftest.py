@@ -26,6 +26,11 @@ def _helper_pids() -> set[int]:
                 pids.add(pid)
     except ImportError:
         pass
+    from multiprocessing import resource_tracker as stdlib_tracker  # used by torch.multiprocessing
+
+    pid = getattr(stdlib_tracker._resource_tracker, "_pid", None)
+    if pid:
+        pids.add(pid)
     return pids
 
 
@@ -56,10 +61,14 @@ def leaks(before: dict[str, set]) -> dict[str, set]:
 def _warm_shared_heap() -> None:
     """Start multiprocess's process-wide helpers before the first leak snapshot: the heap
     arena of synchronized values (two fds), the resource tracker (spawn; one pipe) and the
-    forkserver (one pipe). Each is made once per process and reused, never per loader."""
+    forkserver (one pipe), and the stdlib's resource tracker that torch.multiprocessing uses.
+    Each is made once per process and reused, never per loader."""
+    from multiprocessing import resource_tracker as stdlib_tracker
+
     import multiprocess
     from multiprocess import forkserver, resource_tracker
 
+    stdlib_tracker.ensure_running()
     multiprocess.get_context("fork").Value("i", 0)
     resource_tracker.ensure_running()
     forkserver.ensure_running()

@@ -319,3 +319,28 @@ def test_array_dataset_zips_and_single_array_gives_plain_items() -> None:
     assert ArrayDataset(np.arange(5))[3] == 3
     with pytest.raises(ValueError, match=r"same length, got lengths \[5, 4\]"):
         ArrayDataset(np.arange(5), np.arange(4))
+
+
+def test_user_sampler_changed_between_epochs_is_honoured() -> None:
+    from gloader.sampler import DistributedSampler
+
+    sampler = DistributedSampler(40, num_replicas=2, rank=0, seed=1)
+    with DataLoader(np.arange(40), batch_size=4, sampler=sampler, num_workers=2) as loader:
+        epochs = []
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            epochs.append(torch.cat(list(loader)).tolist())
+    for epoch, got in enumerate(epochs):
+        sampler.set_epoch(epoch)
+        assert got == list(sampler)
+    assert epochs[0] != epochs[1]
+
+
+def test_owned_shuffle_dispatches_next_epoch_before_it_is_asked_for() -> None:
+    with DataLoader(np.arange(40), batch_size=4, shuffle=True, seed=3, num_workers=2) as loader:
+        list(loader)
+        assert loader._upcoming is not None and loader._upcoming.pending  # already in flight
+        second = torch.cat(list(loader)).tolist()
+    with DataLoader(np.arange(40), batch_size=4, shuffle=True, seed=3) as inline:
+        list(inline)
+        assert second == torch.cat(list(inline)).tolist()
