@@ -9,27 +9,40 @@ flow is drawn in `_dispatch`.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import warnings
+import weakref
 from typing import Any
 
 import torch
 
 from ._tree import map_tensors
 
-__all__ = ["DevicePipeline", "pin_batch"]
+__all__ = ["DevicePipeline", "PinThread", "pin_batch", "warn_if_cannot_pin"]
+
+# Pinned batches the pin thread keeps ready ahead of the caller. Larger: smooths bursts of
+# slow batches; smaller: less pinned (page-locked) memory held.
+_PIN_AHEAD = 2
+# How often the pin thread and the caller wake up while waiting, to notice stop requests
+# and a dropped iterator. Shorter: faster stop; longer: fewer wake-ups.
+_PIN_POLL_S = 0.05
+# Deadline for the pin thread to stop after being asked.
+_PIN_STOP_S = 5.0
 
 logger = logging.getLogger(__name__)
-_WARNED_NO_CUDA = False
+
+
+def warn_if_cannot_pin() -> None:
+    """Warn (once per loader, from the caller's thread) when pin_memory cannot take effect."""
+    if not torch.cuda.is_available():
+        warnings.warn("pin_memory=True was requested but CUDA is not available; batches stay in "
+                      "ordinary (pageable) memory", RuntimeWarning, stacklevel=3)
 
 
 def pin_batch(batch: Any, device_id: int) -> Any:
     """Return `batch` with every tensor in page-locked memory (unchanged without CUDA)."""
-    global _WARNED_NO_CUDA
     if not torch.cuda.is_available():
-        if not _WARNED_NO_CUDA:
-            _WARNED_NO_CUDA = True
-            warnings.warn("pin_memory=True was requested but CUDA is not available; batches stay in "
-                          "ordinary (pageable) memory", RuntimeWarning, stacklevel=3)
         return batch
     device = torch.device("cuda", device_id)
     return map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(device), batch)
@@ -68,3 +81,94 @@ class DevicePipeline:
             return t
 
         return map_tensors(mark, moved)
+
+
+class _Failure:
+    """An exception raised while fetching a batch, handed to the caller at that batch's turn."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_DONE = object()
+
+
+class PinThread:
+    """Fetches and pins host batches in a background thread of the caller's process.
+
+    While it runs, it is the only user of the loader's dispatcher; the loader stops it
+    (`stop()`) before starting another epoch, loading a state or closing. It holds the
+    iterator weakly and ends when the iterator is dropped.
+
+    Args:
+        iterator: the epoch iterator; its `fetch()` returns the next host batch.
+        device_id: CUDA device the pinned memory is meant for.
+        timeout_s: the loader's timeout; the caller waits at most this long for a batch.
+    """
+
+    def __init__(self, iterator: Any, device_id: int, timeout_s: float) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=_PIN_AHEAD)
+        self._stopping = threading.Event()
+        self._timeout_s = timeout_s
+        self._iterator = weakref.ref(iterator)
+        self._thread = threading.Thread(target=self._run, args=(device_id,), name="gloader-pin", daemon=True)
+        self._thread.start()
+
+    def serves(self, iterator: Any) -> bool:
+        return self._iterator() is iterator
+
+    def _run(self, device_id: int) -> None:
+        import torch
+
+        torch.set_num_threads(1)  # pinning is a copy; intra-op threads would only contend
+        while not self._stopping.is_set():
+            iterator = self._iterator()
+            if iterator is None:
+                return
+            try:
+                item: Any = pin_batch(iterator.fetch(), device_id)
+            except StopIteration:
+                item = _DONE
+            except BaseException as exc:  # the caller re-raises it at this batch's turn
+                item = _Failure(exc)
+            del iterator
+            if not self._put(item) or item is _DONE:
+                return
+
+    def _put(self, item: Any) -> bool:
+        while not self._stopping.is_set():
+            try:
+                self._queue.put(item, timeout=_PIN_POLL_S)
+                return True
+            except queue.Full:
+                if self._iterator() is None:
+                    return False
+        return False
+
+    def take(self) -> Any:
+        """The next pinned batch; raises what fetching it raised, StopIteration at the end."""
+        waited = 0.0
+        while True:
+            try:
+                item = self._queue.get(timeout=_PIN_POLL_S)
+                break
+            except queue.Empty:
+                waited += _PIN_POLL_S
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise StopIteration from None
+                if waited > self._timeout_s + _PIN_STOP_S:
+                    raise TimeoutError(f"the pin thread produced no batch for {waited:.1f} s") from None
+        if item is _DONE:
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def stop(self) -> None:
+        """Ask the thread to end and wait for it (bounded); drop what it had ready."""
+        self._stopping.set()
+        self._thread.join(_PIN_STOP_S)
+        if self._thread.is_alive():
+            logger.warning("the gloader pin thread did not stop within %.1f s", _PIN_STOP_S)
+        while not self._queue.empty():
+            self._queue.get_nowait()

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import _pool
-from ._device import DevicePipeline, pin_batch
+from ._device import DevicePipeline, PinThread, warn_if_cannot_pin
 from ._dispatch import BatchTimeoutError, Dispatcher, EpochRun
 from ._options import Options, check_last_batch, check_positive_int, validate_options
 from ._payload import build_payload
@@ -154,6 +154,9 @@ class DataLoader:
         self._current: EpochRun | None = None
         self._upcoming: EpochRun | None = None
         self._device = DevicePipeline(self._options.device) if self._options.device is not None else None
+        self._pinner: PinThread | None = None
+        if self._options.pin_memory:
+            warn_if_cannot_pin()
         _pool.track(self._resources)
 
     @staticmethod
@@ -208,9 +211,13 @@ class DataLoader:
             raise RuntimeError("this DataLoader is closed; create a new one")
         if self._current is not None:
             self._abandon(self._current)
+        self._stop_pinner()
         run, self._upcoming = self._upcoming or self._new_run(), None
         self._current = run
-        return _BatchIterator(self, run)
+        iterator = _BatchIterator(self, run)
+        if self._options.pin_memory:
+            self._pinner = PinThread(iterator, self._options.pin_device_id, self._options.timeout_s)
+        return iterator
 
     def __len__(self) -> int:
         run = self._current if self._current is not None else self._upcoming
@@ -229,7 +236,13 @@ class DataLoader:
         self._next_epoch += 1
         return run
 
+    def _stop_pinner(self) -> None:
+        pinner, self._pinner = self._pinner, None
+        if pinner is not None:
+            pinner.stop()
+
     def _abandon(self, run: EpochRun) -> None:
+        self._stop_pinner()
         if self._resources.runtime is not None:
             self._resources.runtime.dispatcher.discard(run)
         if run is self._current:
@@ -249,7 +262,6 @@ class DataLoader:
             self._current = None
             raise StopIteration
         task = run.pending.popleft()
-        run.yielded += 1
         try:
             batch = runtime.dispatcher.collect(task)
         except (WorkerExitedError, BatchTimeoutError):
@@ -279,7 +291,6 @@ class DataLoader:
             run.exhausted = True
             self._current = None
             raise
-        run.yielded += 1
         if self._options.seed is None:
             return self._load_inline(run.number, index, indices)
         with preserved_global_rng():
@@ -346,11 +357,11 @@ class DataLoader:
             sampler's state at the epoch's start, and the base seed.
         """
         run = self._current
-        if run is not None and run.length >= 0 and run.yielded >= run.length and not run.exhausted:
-            for _ in run.batches:  # the caller has every batch: advance the sampler past the end
-                pass
-            run.exhausted = True
-        if run is None or (run.exhausted and run.yielded >= max(run.length, 0) and not run.pending):
+        if run is not None and 0 <= run.length <= run.yielded:
+            if not run.exhausted and self._pinner is None:
+                for _ in run.batches:  # the caller has every batch: move the sampler past the end
+                    pass
+                run.exhausted = True
             run = self._upcoming
         if run is not None:
             return {"epoch": run.number, "batches_yielded": run.yielded, "sampler": run.sampler_state,
@@ -385,6 +396,7 @@ class DataLoader:
         Batches already yielded stay valid.
         """
         self._closed = True
+        self._stop_pinner()
         for run in (self._current, self._upcoming):
             if run is not None:
                 self._abandon(run)
@@ -432,7 +444,11 @@ _END = object()
 
 
 class _BatchIterator:
-    """Iterates one epoch run; with a device, copies one batch ahead of the caller."""
+    """Iterates one epoch run; with a device, copies one batch ahead of the caller.
+
+    Counts the batches that reach the caller (`run.yielded`), which is what `state_dict`
+    saves: the pin thread and the device stage fetch ahead of the caller.
+    """
 
     def __init__(self, loader: DataLoader, run: EpochRun) -> None:
         self._loader = loader
@@ -446,14 +462,28 @@ class _BatchIterator:
     def __len__(self) -> int:
         return self._run.length - self._run.skipped
 
+    def fetch(self) -> Any:
+        """Next host batch of this run; called by the pin thread when there is one."""
+        return self._loader._next_host_batch(self._run)
+
     def _host(self) -> Any:
-        batch = self._loader._next_host_batch(self._run)
-        opts = self._loader._options
-        if opts.pin_memory:
-            batch = pin_batch(batch, opts.pin_device_id)
-        return batch
+        pinner = self._loader._pinner
+        if pinner is not None and pinner.serves(self):
+            return pinner.take()
+        return self.fetch()
 
     def __next__(self) -> Any:
+        try:
+            batch = self._next_batch()
+        except StopIteration:
+            raise
+        except BaseException:
+            self._run.yielded += 1  # a batch that raised is consumed: resume starts after it
+            raise
+        self._run.yielded += 1
+        return batch
+
+    def _next_batch(self) -> Any:
         device = self._loader._device
         if device is None:
             return self._host()
