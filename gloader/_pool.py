@@ -151,7 +151,8 @@ class PoolCore:
                                                  lock=False)
         self.spec = PoolSpec(is_thread=is_thread, num_workers=num_workers, counter=ctx.Value("i", 0),
                              status=status, main_pid=os.getpid(), shm_prefix=shm_prefix,
-                             payload_dir=self.payload_dir, generation=ctx.Value("i", 0))
+                             payload_dir=self.payload_dir, generation=ctx.Value("i", 0),
+                             closing=ctx.Value("i", 0))
         if is_thread:
             from multiprocess.pool import ThreadPool
 
@@ -227,6 +228,7 @@ class PoolCore:
         if self._closed:
             return
         self._closed = True
+        self.spec.closing.value = 1  # workers leaving now were asked to: the caller cleans up
         if self.is_thread:
             self._close_threads()
         else:

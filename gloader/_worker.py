@@ -63,6 +63,7 @@ class PoolSpec:
     shm_prefix: str  # every segment of this pool's loaders starts with it
     payload_dir: str  # payload files of loaders that join the running pool
     generation: Any  # synchronized int, bumped when a loader leaves the pool
+    closing: Any  # synchronized int, set by the caller before it asks the workers to stop
 
 
 _SPEC: PoolSpec | None = None
@@ -84,13 +85,15 @@ def _is_orphaned(parent: int, main_pid: int) -> bool:
     return False
 
 
-def _remove_orphaned_segments(parent: int, main_pid: int, shm_prefix: str) -> None:
-    """At worker exit: if the caller is gone, remove its segments (it no longer can).
+def _remove_orphaned_segments(closing: Any, shm_prefix: str) -> None:
+    """At worker exit: unless the caller asked the workers to stop, remove its segments.
 
     Registered with multiprocess's exit finalizers, because a worker whose caller was killed
-    usually leaves through EOF on its task pipe, before the watchdog below wakes up.
+    usually leaves through EOF on its task pipe, before the watchdog below wakes up. The
+    caller's pid cannot tell: the kernel closes a dying caller's pipes before it reparents
+    its children, so the worker may still see the caller as its parent here.
     """
-    if _is_orphaned(parent, main_pid):
+    if not closing.value:
         unlink_prefix(shm_prefix)
 
 
@@ -142,8 +145,7 @@ def initialize_worker(spec: PoolSpec, registrations: list[tuple[int, Payload]]) 
             from multiprocess import util
 
             parent = os.getppid()
-            util.Finalize(None, _remove_orphaned_segments, args=(parent, spec.main_pid, spec.shm_prefix),
-                          exitpriority=10)
+            util.Finalize(None, _remove_orphaned_segments, args=(spec.closing, spec.shm_prefix), exitpriority=10)
             threading.Thread(target=_watch_parent, args=(parent, spec.main_pid, spec.shm_prefix),
                              name="gloader-parent-watch", daemon=True).start()
         for loader_id, payload in registrations:
