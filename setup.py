@@ -26,6 +26,7 @@ setup(
             "nbclient>=0.9",
             "nbformat>=5.9",
             "ipykernel>=6.25",
+            "mypy>=1.8",
         ],
         "bench": ["matplotlib>=3.7", "psutil>=5.9"],
     },

@@ -57,13 +57,13 @@ class DevicePipeline:
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._stream = torch.cuda.Stream(device=device)
+        self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch lacks stubs here
 
     def to_device(self, batch: Any) -> tuple[Any, Any]:
         """Start copying `batch`; returns (device batch, event that marks the copy's end)."""
         with torch.cuda.stream(self._stream):
             moved = map_tensors(lambda t: t.to(self._device, non_blocking=True), batch)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch lacks stubs here
             event.record(self._stream)
         return moved, event
 

@@ -96,7 +96,7 @@ def validate_options(*, num_workers: Any, prefetch: Any, thread_pool: Any, timeo
         depth = 1
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    if not timeout > 0:
+    if not float(timeout) > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     if start_method is not None and start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS} or None, got {start_method!r}")

@@ -23,7 +23,8 @@ _MAX_SEARCH_DEPTH = 6
 def _dumps(obj: Any) -> bytes:
     import dill
 
-    return dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
+    data: bytes = dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
+    return data
 
 
 def _children(obj: Any) -> list[tuple[str, Any]]:

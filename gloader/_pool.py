@@ -333,7 +333,8 @@ class WorkerPool:
         self.thread_pool = bool(thread_pool)
         self.start_method = start_method
         self.shm_prefix = f"gl{os.getpid()}_{os.urandom(4).hex()}_"
-        self._core = PoolCore(self.num_workers, self.thread_pool, start_method, self.shm_prefix, [])
+        self._core: PoolCore | None = PoolCore(self.num_workers, self.thread_pool, start_method,
+                                               self.shm_prefix, [])
         self._finalizer = weakref.finalize(self, _finalize_pool, self._core)
         track(self)
 

@@ -167,7 +167,8 @@ def _dumps(handle: Any) -> bytes:
     except Exception:
         import dill  # objects defined in __main__ or lambdas inside a batch need dill
 
-        return b"D" + dill.dumps(handle, protocol=pickle.HIGHEST_PROTOCOL)
+        data: bytes = dill.dumps(handle, protocol=pickle.HIGHEST_PROTOCOL)
+        return b"D" + data
 
 
 def loads_handle(data: bytes) -> Any:

@@ -91,7 +91,10 @@ def materialize(plan: Any, alloc: Callable[[tuple[int, ...], torch.dtype], torch
 
 
 def _copy_leaf(value: torch.Tensor) -> Leaf:
-    return Leaf(tuple(value.shape), value.dtype, lambda out: out.copy_(value))
+    def fill(out: torch.Tensor) -> None:
+        out.copy_(value)
+
+    return Leaf(tuple(value.shape), value.dtype, fill)
 
 
 def plan_from_value(value: Any) -> Any:

@@ -229,9 +229,9 @@ def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: 
             raise RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its "
                                "pool was started without it")
         if registration.error is not None:
-            message = _error_message(registration.error, registration.error_traceback,
+            failure = _error_message(registration.error, registration.error_traceback,
                                      registration.error_context, batch_index, None, is_thread)
-            return message if is_thread else dumps_handle(message)
+            return failure if is_thread else dumps_handle(failure)
         if not is_thread:
             seed_global_rng(seed)
         identity = _registry.current_identity() or (0, 1)

@@ -9,7 +9,7 @@ Nothing here starts a process or touches CUDA.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -99,7 +99,7 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
                     row.copy_(t)
 
         return Leaf((len(tensors),) + tuple(tensors[0].shape), out_dtype, fill_tensors)
-    arrays = items if kinds == {np.ndarray} else [np.asarray(item) for item in items]
+    arrays: list[Any] = list(items) if kinds == {np.ndarray} else [np.asarray(item) for item in items]
     shapes = set(map(_SHAPE, arrays))
     if len(shapes) != 1:
         raise _shape_error(list(shapes))
@@ -107,7 +107,7 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     if found is None:
         raise TypeError(f"cannot stack samples of numpy dtype {arrays[0].dtype} into a tensor; "
                         "use gloader.batchify.List() for non-numeric fields")
-    cast = "unsafe" if dtype is not None else "same_kind"
+    cast: Literal["unsafe", "same_kind"] = "unsafe" if dtype is not None else "same_kind"
 
     first_shape = arrays[0].shape
 
