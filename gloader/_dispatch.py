@@ -33,15 +33,25 @@ import numpy as np
 
 from ._pool import PoolCore, WorkerExitedError
 from ._transport import SlotPool, loads_handle
-from ._worker import run_batch
+from ._worker import run_batch, run_stream_batch
 
-__all__ = ["BatchTimeoutError", "Dispatcher", "EpochRun", "Task", "raise_worker_error"]
+__all__ = ["BatchTimeoutError", "Dispatcher", "EpochRun", "SHARD_DONE", "Task", "raise_worker_error"]
 
 logger = logging.getLogger(__name__)
 
 # How long one wait lasts before worker exit codes and the deadline are checked again.
 # Longer: fewer wake-ups; shorter: a dead worker is reported sooner.
 _POLL_S = 0.05
+
+
+class _ShardDone:
+    """What `collect` returns for a stream task whose worker's shard is exhausted."""
+
+    def __init__(self) -> None:
+        self.worker_id = -1
+
+
+SHARD_DONE = _ShardDone
 
 
 class BatchTimeoutError(TimeoutError):
@@ -82,6 +92,8 @@ class EpochRun:
     yielded: int = 0
     exhausted: bool = False
     pending: collections.deque[Task] = dataclasses.field(default_factory=collections.deque)
+    stream: tuple[int, bool] | None = None  # (batch size, keep last) for an IterableDataset
+    shards_done: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def finished(self) -> bool:
@@ -164,9 +176,14 @@ class Dispatcher:
             run.exhausted = True
             return
         slot, capacity = self._slots.acquire() if self._slots is not None else (None, 0)
-        order = np.asarray(indices, dtype=np.int64).tobytes()
-        args = (self._loader_id, run.number, index, seed_of(run.number, index), order, slot, capacity)
-        task = Task(run.number, index, indices, slot, self.core.submit(run_batch, args))
+        seed = seed_of(run.number, index)
+        if run.stream is not None:
+            args: tuple[Any, ...] = (self._loader_id, run.number, index, seed, *run.stream, slot, capacity)
+            result = self.core.submit(run_stream_batch, args)
+        else:
+            order = np.asarray(indices, dtype=np.int64).tobytes()
+            result = self.core.submit(run_batch, (self._loader_id, run.number, index, seed, order, slot, capacity))
+        task = Task(run.number, index, indices, slot, result)
         run.pending.append(task)
         self._outstanding.add(task)
         self._in_flight += 1
@@ -190,9 +207,13 @@ class Dispatcher:
         self._outstanding.discard(task)
         message = self._decode(result.get(0))
         self.wait_s += time.perf_counter() - started
-        if message[0] == "err":
+        if message[0] != "ok":
             if self._slots is not None:
                 self._slots.settle(task.slot, None)
+            if message[0] == "end":
+                done = _ShardDone()
+                done.worker_id = message[1]
+                return done
             raise_worker_error(message[1], task.epoch)
         _, payload, fetch_s, batchify_s = message
         self.fetch_s += fetch_s
@@ -252,7 +273,7 @@ class Dispatcher:
                 message = ("err", None)
             if self._slots is None:
                 continue
-            if message[0] == "ok":
+            if message[0] == "ok" and isinstance(message[1], tuple):
                 self._slots.settle(task.slot, message[1])
                 if message[1][0] is not None:
                     self._slots.release(message[1][0])

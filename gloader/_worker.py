@@ -10,6 +10,7 @@ code. The whole flow is drawn in `_dispatch`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import pickle
@@ -27,7 +28,8 @@ from ._seed import seed_global_rng
 from .batchify import plan_batch
 from ._transport import SegmentCache, dumps_handle, pack_batch, unlink_prefix
 
-__all__ = ["PoolSpec", "STATUS_FIELDS", "STATUS_ROWS_PER_WORKER", "initialize_worker", "run_batch"]
+__all__ = ["PoolSpec", "STATUS_FIELDS", "STATUS_ROWS_PER_WORKER", "initialize_worker", "run_batch",
+           "run_stream_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,10 @@ _SPEC: PoolSpec | None = None
 _CACHE = SegmentCache(_MAX_MAPPED_SEGMENTS)
 _SEEN_GENERATION = 0
 _STATUS_ROW = [-1]  # this process worker's row offset in the status table
+# Stream iterators of this worker, by (loader id, worker id): (epoch, iterator or None when
+# the shard is exhausted). Keyed by worker id too, because thread workers share this module.
+_STREAMS: dict[tuple[int, int], tuple[int, Any]] = {}
+_STREAMS_LOCK = threading.Lock()
 _THREAD_SPEC = threading.local()
 
 
@@ -268,6 +274,70 @@ def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: 
         text = traceback.format_exc()
         return dumps_handle(_error_message(exc, text, "the batch could not be pickled for the caller",
                                            batch_index, None, False))
+
+
+def _next_stream_samples(loader_id: int, epoch: int, registration: _registry.Registration,
+                         batch_size: int) -> list[Any] | None:
+    """The next samples of this worker's shard for `epoch`; None once the shard is exhausted."""
+    worker_id = (_registry.current_identity() or (0, 1))[0]
+    key = (loader_id, worker_id)
+    with _STREAMS_LOCK:
+        state = _STREAMS.get(key)
+    if state is None or state[0] != epoch:
+        state = (epoch, iter(registration.dataset))  # the dataset finds its shard in get_worker_info()
+    stream = state[1]
+    if stream is None:
+        return None
+    samples: list[Any] = []
+    try:
+        samples.extend(itertools.islice(stream, batch_size))
+    except BaseException:
+        with _STREAMS_LOCK:
+            _STREAMS[key] = (epoch, None)  # a generator that raised is finished
+        raise
+    with _STREAMS_LOCK:
+        _STREAMS[key] = (epoch, stream if len(samples) == batch_size else None)
+    return samples or None
+
+
+def run_stream_batch(loader_id: int, epoch: int, batch_index: int, seed: int, batch_size: int,
+                     keep_last: bool, slot: str | None, slot_capacity: int) -> Any:
+    """Load the next batch of this worker's shard of an IterableDataset.
+
+    Any worker may take any stream task: it answers from its own shard, so tasks need no
+    routing. Returns ('ok', ...) like `run_batch`, ('end', worker id) once the shard is
+    exhausted, or ('err', info).
+    """
+    spec = _current_spec()
+    is_thread = spec is None or spec.is_thread
+    message: tuple[Any, ...]
+    try:
+        registration = _find_registration(spec, loader_id)
+        if registration is None or registration.error is not None:
+            raise RuntimeError(f"gloader worker has no usable registration for loader {loader_id}")
+        if not is_thread:
+            seed_global_rng(seed)
+        identity = _registry.current_identity() or (0, 1)
+        _registry.set_current_info(WorkerInfo(identity[0], identity[1], seed, registration.dataset,
+                                              np.random.default_rng(seed)))
+        started = time.perf_counter()
+        samples = _next_stream_samples(loader_id, epoch, registration, batch_size)
+        if samples is None or (len(samples) < batch_size and not keep_last):
+            message = ("end", identity[0])
+        else:
+            fetched = time.perf_counter()
+            batchify_fn: Any = registration.batchify_fn
+            if is_thread:
+                result: Any = _batch_in_thread(batchify_fn, samples)
+            else:
+                result = pack_batch(plan_batch(batchify_fn, samples), slot, slot_capacity, registration.prefix,
+                                    _CACHE)
+            message = ("ok", result, fetched - started, time.perf_counter() - fetched)
+    except BaseException as exc:
+        message = _error_message(exc, traceback.format_exc(), "", batch_index, None, is_thread)
+    finally:
+        _registry.set_current_info(None)
+    return message if is_thread else dumps_handle(message)
 
 
 def _batch_in_thread(batchify_fn: Any, samples: list[Any]) -> Any:

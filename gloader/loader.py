@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _pool
 from ._device import DevicePipeline, PinThread, warn_if_cannot_pin
-from ._dispatch import BatchTimeoutError, Dispatcher, EpochRun
+from ._dispatch import SHARD_DONE, BatchTimeoutError, Dispatcher, EpochRun
 from ._options import Options, check_last_batch, check_positive_int, validate_options
 from ._payload import build_payload
 from ._pool import PoolCore, WorkerExitedError, WorkerPool
@@ -135,8 +135,6 @@ class DataLoader:
         if not hasattr(dataset, "__getitem__") and not isinstance(dataset, IterableDataset):
             raise TypeError(f"dataset must support __getitem__ and __len__ (or be a gloader.IterableDataset), "
                             f"got {type(dataset).__name__}")
-        if isinstance(dataset, IterableDataset) and self._options.num_workers > 0:
-            raise NotImplementedError("an IterableDataset is loaded in-process only for now; use num_workers=0")
         self._dataset = dataset
         self._is_stream = isinstance(dataset, IterableDataset)
         self._batch_sampler = self._build_batch_sampler(dataset, batch_size, shuffle, sampler, last_batch,
@@ -144,8 +142,9 @@ class DataLoader:
         self._batchify_fn = batchify_fn or default_batchify_fn
         # Dispatch the next epoch's first batches before the caller asks for them only when
         # this loader built the sampler: a user's sampler may be changed between epochs
-        # (DistributedSampler.set_epoch), which batches drawn early would not see.
-        self._lookahead = sampler is None and batch_sampler is None
+        # (DistributedSampler.set_epoch), which batches drawn early would not see. Streams
+        # have no sampler to look ahead with.
+        self._lookahead = sampler is None and batch_sampler is None and not self._is_stream
         self._pool = pool
         self._id = next(_LOADER_IDS)
         self._base_seed = seed if seed is not None else draw_base_seed()
@@ -220,6 +219,8 @@ class DataLoader:
         return iterator
 
     def __len__(self) -> int:
+        if self._is_stream:
+            raise TypeError("a DataLoader over an IterableDataset has no length: the stream decides when it ends")
         run = self._current if self._current is not None else self._upcoming
         if run is not None:
             return run.length - run.skipped
@@ -233,6 +234,10 @@ class DataLoader:
         for _ in range(skip):
             next(batches, None)
         run = EpochRun(self._next_epoch, length, state, batches, skipped=skip, yielded=skip)
+        if self._is_stream and self._options.num_workers > 0:
+            # Workers form the batches from their own shards; the run just counts tasks.
+            run.batches = ((i, []) for i in itertools.count())
+            run.stream = (self._batch_sampler.batch_size, self._batch_sampler.keep_last)
         self._next_epoch += 1
         return run
 
@@ -257,18 +262,23 @@ class DataLoader:
         if self._options.num_workers == 0:
             return self._next_inline(run)
         runtime = self._ensure_runtime()
-        self._fill(runtime.dispatcher)
-        if not run.pending:
-            self._current = None
-            raise StopIteration
-        task = run.pending.popleft()
-        try:
-            batch = runtime.dispatcher.collect(task)
-        except (WorkerExitedError, BatchTimeoutError):
-            self._stop_runtime()
-            raise
-        self._fill(runtime.dispatcher)
-        return batch
+        while True:
+            self._fill(runtime.dispatcher)
+            if not run.pending:
+                self._current = None
+                raise StopIteration
+            task = run.pending.popleft()
+            try:
+                batch = runtime.dispatcher.collect(task)
+            except (WorkerExitedError, BatchTimeoutError):
+                self._stop_runtime()
+                raise
+            if not isinstance(batch, SHARD_DONE):
+                self._fill(runtime.dispatcher)
+                return batch
+            run.shards_done.add(batch.worker_id)  # a stream worker's shard is exhausted
+            if len(run.shards_done) >= runtime.core.num_workers:
+                run.exhausted = True
 
     def _fill(self, dispatcher: Dispatcher) -> None:
         """Top the window up: the current epoch first, then the start of the next one."""
@@ -355,7 +365,13 @@ class DataLoader:
         Returns:
             A plain picklable dict: the epoch, the batches of it already yielded, the batch
             sampler's state at the epoch's start, and the base seed.
+
+        Raises:
+            TypeError: for an IterableDataset, which has no positions to resume from.
         """
+        if self._is_stream:
+            raise TypeError("state_dict needs a map-style dataset; an IterableDataset stream has no "
+                            "positions to resume from")
         run = self._current
         if run is not None and 0 <= run.length <= run.yielded:
             if not run.exhausted and self._pinner is None:
@@ -427,16 +443,16 @@ class _StreamBatches:
 
     def __init__(self, dataset: IterableDataset, batch_size: int, last_batch: str) -> None:
         self._dataset = dataset
-        self._batch_size = batch_size
-        self._keep_last = last_batch == "keep"
+        self.batch_size = batch_size
+        self.keep_last = last_batch == "keep"
 
     def __iter__(self) -> Iterator[list[Any]]:
         stream = iter(self._dataset)
         while True:
-            batch = list(itertools.islice(stream, self._batch_size))
-            if len(batch) == self._batch_size or (batch and self._keep_last):
+            batch = list(itertools.islice(stream, self.batch_size))
+            if len(batch) == self.batch_size or (batch and self.keep_last):
                 yield batch
-            if len(batch) < self._batch_size:
+            if len(batch) < self.batch_size:
                 return
 
 
@@ -460,6 +476,8 @@ class _BatchIterator:
         return self
 
     def __len__(self) -> int:
+        if self._run.length < 0:
+            raise TypeError("this epoch has no length (an IterableDataset, or a batch sampler without __len__)")
         return self._run.length - self._run.skipped
 
     def fetch(self) -> Any:

@@ -226,3 +226,19 @@ class RegistryProbe(gloader.Dataset):
 
         ids = sorted(_registry._LOADERS)[:6]
         return np.array([self.tag, idx, os.getpid(), len(ids)] + ids + [-1] * (6 - len(ids)), dtype=np.int64)
+
+
+class RangeStream(gloader.IterableDataset):
+    """Yields range(length), each worker its own interleaved shard; optionally raises at `bad`."""
+
+    def __init__(self, length: int, bad: int | None = None) -> None:
+        self.length = length
+        self.bad = bad
+
+    def __iter__(self) -> Any:
+        info = gloader.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.length, step):
+            if i == self.bad:
+                raise CustomLookupError(f"record {i} is corrupt")
+            yield np.array([i], dtype=np.int64)

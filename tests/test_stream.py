@@ -1,0 +1,70 @@
+"""IterableDataset: each worker iterates its own shard; every element once per epoch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gloader import DataLoader
+
+from tests import _data
+
+pytestmark = pytest.mark.timeout(60)
+
+MODES = [pytest.param({"num_workers": 0}, id="inline"),
+         pytest.param({"num_workers": 2, "thread_pool": True}, id="threads"),
+         pytest.param({"num_workers": 2, "start_method": "fork"}, id="fork"),
+         pytest.param({"num_workers": 3, "start_method": "spawn"}, id="spawn")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_element_once_per_epoch_with_uneven_shards(mode: dict) -> None:
+    with DataLoader(_data.RangeStream(23), batch_size=4, **mode) as loader:
+        for _ in range(2):
+            batches = list(loader)
+            values = torch.cat(batches).flatten().tolist()
+            assert sorted(values) == list(range(23))
+            assert all(1 <= len(b) <= 4 for b in batches)
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_discard_drops_each_shards_short_tail(mode: dict) -> None:
+    with DataLoader(_data.RangeStream(23), batch_size=4, last_batch="discard", **mode) as loader:
+        batches = list(loader)
+    assert all(len(b) == 4 for b in batches)
+    workers = mode["num_workers"]
+    assert len(batches) == sum(len(range(w, 23, workers)) // 4 for w in range(workers))
+
+
+@pytest.mark.parametrize("mode", [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
+def test_error_in_a_stream_surfaces_like_map_style_and_the_rest_continues(mode: dict) -> None:
+    with DataLoader(_data.RangeStream(40, bad=9), batch_size=2, **mode) as loader:
+        got, errors = [], 0
+        it = iter(loader)
+        while True:
+            try:
+                got.append(next(it))
+            except StopIteration:
+                break
+            except _data.CustomLookupError as exc:
+                errors += 1
+                assert "record 9 is corrupt" in str(exc)
+                if mode["num_workers"] == 0:
+                    break  # in-process there is one stream, and it is finished
+        assert errors == 1
+        values = set(torch.cat(got).flatten().tolist())
+        assert 9 not in values
+        if mode["num_workers"]:
+            assert {i for i in range(40) if i % 2 == 0} <= values  # the other shard is complete
+        # The next epoch starts fresh shards.
+        with pytest.raises(_data.CustomLookupError):
+            list(loader)
+
+
+def test_stream_has_no_length_and_no_state() -> None:
+    with DataLoader(_data.RangeStream(5), batch_size=2) as loader:
+        with pytest.raises(TypeError, match="has no length"):
+            len(loader)
+        with pytest.raises(TypeError, match="has no\\s+positions"):
+            loader.state_dict()
+    with pytest.raises(ValueError, match="IterableDataset has no indices"):
+        DataLoader(_data.RangeStream(5), batch_size=2, shuffle=True)
