@@ -145,6 +145,12 @@ def initialize_worker(spec: PoolSpec, registrations: list[tuple[int, Payload]]) 
 
             torch.set_num_threads(1)  # one worker, one core: intra-op threads only contend
             _keep_freed_memory()
+            # Under fork, the caller's objects are shared copy-on-write; a full collection in
+            # this worker would write the GC header of every inherited container and copy its
+            # page. Freezing moves them out of the collector's reach (O(1), no object touched).
+            import gc
+
+            gc.freeze()
             _STATUS_ROW[0] = (worker_id % (spec.num_workers * STATUS_ROWS_PER_WORKER)) * STATUS_FIELDS
             row = _STATUS_ROW[0]
             spec.status[row:row + STATUS_FIELDS] = [os.getpid(), -1, -1, -1]

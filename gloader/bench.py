@@ -10,6 +10,7 @@ Workloads:
     W2 images: uint8 224x224x3 + int, batch 64, shuffle.
     W3 CPU-bound: about 0.5 ms of numpy work per sample, batch 32.
     W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data).
+    W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench_memory`.
 """
 from __future__ import annotations
 
@@ -188,6 +189,7 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
             "mb_per_s": {k: [samples * work.sample_bytes / t / 1e6 for t in v] for k, v in times.items()},
             "ratio": [t_torch / t_gl for t_gl, t_torch in zip(times["gloader"], times["torch"])],
         }
+    _run_memory(quick, only, results)
     if not with_latency:
         return results
     # W4: fresh loaders per round, so epoch 1 includes starting the workers.
@@ -208,6 +210,17 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
     return results
 
 
+def _run_memory(quick: bool, only: set[str] | None, results: dict[str, Any]) -> None:
+    from .bench_memory import measure_copy_on_write, measure_shared_pool
+
+    if only is None or "W5" in only:
+        sys.stderr.write("W5 copy-on-write ...\n")
+        results["W5"] = measure_copy_on_write(quick)
+    if only is None or "W6" in only:
+        sys.stderr.write("W6 shared pool ...\n")
+        results["W6"] = measure_shared_pool(quick)
+
+
 def report(results: dict[str, Any]) -> str:
     """Format the results as a Markdown table (medians, min-max over rounds)."""
     lines = [f"gloader vs torch.utils.data.DataLoader, num_workers={_WORKERS}, {results['rounds']} rounds, "
@@ -221,15 +234,17 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {name} {res['title']} | {_summary(res['samples_per_s']['gloader'])} | "
                      f"{_summary(res['samples_per_s']['torch'])} | {_summary(res['mb_per_s']['gloader'])} | "
                      f"{_summary(res['mb_per_s']['torch'])} | **{_summary(res['ratio'])}x** |")
+    from .bench_memory import report_memory
+
     if "W4" not in results:
-        return "\n".join(lines)
+        return "\n".join(lines + report_memory(results))
     w4 = results["W4"]
     lines += ["", "| W4 first batch (W2 data) | gloader ms | torch ms | torch/gloader |", "|---|---|---|---|"]
     for key, label in (("epoch1_ms", "epoch 1 (starts workers)"), ("later_ms", "epochs 2-5 (median)")):
         ratio = [t / g for g, t in zip(w4[key]["gloader"], w4[key]["torch"])]
         lines.append(f"| {label} | {_summary(w4[key]['gloader'])} | {_summary(w4[key]['torch'])} | "
                      f"{_summary(ratio)}x |")
-    return "\n".join(lines)
+    return "\n".join(lines + report_memory(results))
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -279,9 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     only = None
     if args.workloads:
         only = {w.strip().upper() for w in args.workloads.split(",")}
-        unknown = only - {"W1", "W2", "W3", "W4"}
+        unknown = only - {"W1", "W2", "W3", "W4", "W5", "W6"}
         if unknown:
-            parser.error(f"--workloads takes W1, W2, W3, W4; got {sorted(unknown)}")
+            parser.error(f"--workloads takes W1 to W6; got {sorted(unknown)}")
         if args.plot:
             parser.error("--plot needs every workload; leave --workloads out")
     torch.set_num_threads(1)
