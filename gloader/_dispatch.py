@@ -155,10 +155,8 @@ class Dispatcher:
         self._discarded: list[Task] = []
         self._outstanding: set[Task] = set()  # submitted and not yet collected or reaped
         self.batch_bytes = 0
-        self.wait_s = 0.0
-        self.fetch_s = 0.0
-        self.batchify_s = 0.0
-        self.collected = 0
+        # Timings of the last collected batch: waited, worker fetch, worker batchify, hand-over.
+        self.last_timings = (0.0, 0.0, 0.0, 0.0)
 
     @property
     def has_room(self) -> bool:
@@ -205,8 +203,8 @@ class Dispatcher:
             raise
         self._in_flight -= 1
         self._outstanding.discard(task)
+        ready = time.perf_counter()
         message = self._decode(result.get(0))
-        self.wait_s += time.perf_counter() - started
         if message[0] != "ok":
             if self._slots is not None:
                 self._slots.settle(task.slot, None)
@@ -216,16 +214,16 @@ class Dispatcher:
                 return done
             raise_worker_error(message[1], task.epoch)
         _, payload, fetch_s, batchify_s = message
-        self.fetch_s += fetch_s
-        self.batchify_s += batchify_s
-        self.collected += 1
         if self._slots is None:
-            return payload
-        self._slots.settle(task.slot, payload)
-        if payload[0] is not None and not self.batch_bytes:
-            self.batch_bytes = payload[1]
-            self._slots.warn_if_shm_small(payload[1], self._prefetch + 2)
-        return self._slots.rebuild(payload)
+            batch = payload
+        else:
+            self._slots.settle(task.slot, payload)
+            if payload[0] is not None and not self.batch_bytes:
+                self.batch_bytes = payload[1]
+                self._slots.warn_if_shm_small(payload[1], self._prefetch + 2)
+            batch = self._slots.rebuild(payload)
+        self.last_timings = (ready - started, fetch_s, batchify_s, time.perf_counter() - ready)
+        return batch
 
     def _check(self, task: Task, started: float, deadline: float) -> None:
         dead = self.core.find_dead_worker()

@@ -84,12 +84,12 @@ def measure_copy_on_write(quick: bool) -> dict[str, Any]:
     length = 200_000 if quick else 1_000_000
     out: dict[str, Any] = {"length": length}
     for name, make in (("objects", DictRecords), ("numpy", ArrayRecords)):
-        dataset = make(length)
+        dataset: Any = make(length)
         with gloader.DataLoader(dataset, batch_size=1024, shuffle=True, num_workers=2,
                                 start_method="fork") as loader:
             gl = _growth(loader, loader.worker_pids)
         before_children = {p.pid for p in psutil.Process().children()}
-        tl = torch.utils.data.DataLoader(dataset, batch_size=1024, shuffle=True, num_workers=2,
+        tl: Any = torch.utils.data.DataLoader(dataset, batch_size=1024, shuffle=True, num_workers=2,
                                          persistent_workers=True, multiprocessing_context="fork")
         th = _growth(tl, lambda: [p.pid for p in psutil.Process().children() if p.pid not in before_children])
         del tl

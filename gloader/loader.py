@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -18,6 +19,7 @@ from ._dispatch import SHARD_DONE, BatchTimeoutError, Dispatcher, EpochRun
 from ._options import Options, check_last_batch, check_positive_int, validate_options
 from ._payload import build_payload
 from ._pool import PoolCore, WorkerExitedError, WorkerPool
+from ._stats import PipelineStats, ProgressBar
 from ._seed import derive_batch_seed, draw_base_seed, preserved_global_rng, seed_global_rng
 from ._transport import SlotPool
 from ._tree import arrays_to_tensors
@@ -108,6 +110,8 @@ class DataLoader:
         seed: makes shuffling and per-batch random draws reproducible for any num_workers.
         start_method: 'fork', 'spawn', 'forkserver' or None (the platform default).
         pool: a `gloader.WorkerPool` to run on instead of starting one.
+        progress: show a progress bar on stderr (batches/s and the share of time spent
+            waiting for input) for every epoch.
 
     Raises:
         TypeError, ValueError: for a bad argument or combination, naming the value.
@@ -119,7 +123,7 @@ class DataLoader:
                  pin_memory: bool = False, pin_device_id: int = 0, prefetch: int | None = None,
                  thread_pool: bool = False, timeout: float = 120, *, device: Any = None,
                  worker_init_fn: Callable[[int], None] | None = None, seed: int | None = None,
-                 start_method: str | None = None, pool: WorkerPool | None = None) -> None:
+                 start_method: str | None = None, pool: WorkerPool | None = None, progress: bool = False) -> None:
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close_from_gc)
         self._closed = False
@@ -129,7 +133,7 @@ class DataLoader:
         self._options: Options = validate_options(
             num_workers=num_workers, prefetch=prefetch, thread_pool=thread_pool, timeout=timeout,
             pin_memory=pin_memory, pin_device_id=pin_device_id, device=device, start_method=start_method,
-            worker_init_fn=worker_init_fn, seed=seed, progress=False)
+            worker_init_fn=worker_init_fn, seed=seed, progress=progress)
         if batchify_fn is not None and not callable(batchify_fn):
             raise TypeError(f"batchify_fn must be callable or None, got {batchify_fn!r}")
         if not hasattr(dataset, "__getitem__") and not isinstance(dataset, IterableDataset):
@@ -154,6 +158,7 @@ class DataLoader:
         self._upcoming: EpochRun | None = None
         self._device = DevicePipeline(self._options.device) if self._options.device is not None else None
         self._pinner: PinThread | None = None
+        self._stats = PipelineStats()
         if self._options.pin_memory:
             warn_if_cannot_pin()
         _pool.track(self._resources)
@@ -274,6 +279,7 @@ class DataLoader:
                 self._stop_runtime()
                 raise
             if not isinstance(batch, SHARD_DONE):
+                self._stats.record(run.number, *runtime.dispatcher.last_timings)
                 self._fill(runtime.dispatcher)
                 return batch
             run.shards_done.add(batch.worker_id)  # a stream worker's shard is exhausted
@@ -308,15 +314,22 @@ class DataLoader:
             return self._load_inline(run.number, index, indices)
 
     def _load_inline(self, epoch: int, index: int, indices: Any) -> Any:
+        started = time.perf_counter()
         if self._is_stream:  # the "indices" are the samples themselves
-            return arrays_to_tensors(self._batchify_fn(indices))
+            batch = arrays_to_tensors(self._batchify_fn(indices))
+            self._stats.record(epoch, time.perf_counter() - started, 0.0, time.perf_counter() - started, 0.0)
+            return batch
         position = None
         try:
             samples = []
             for position in indices:
                 samples.append(self._dataset[position])
             position = None
-            return arrays_to_tensors(self._batchify_fn(samples))
+            fetched = time.perf_counter()
+            batch = arrays_to_tensors(self._batchify_fn(samples))
+            done = time.perf_counter()
+            self._stats.record(epoch, done - started, fetched - started, done - fetched, 0.0)
+            return batch
         except Exception as exc:
             note = f"gloader: raised in the main process while loading batch {index} of epoch {epoch}"
             exc.add_note(note + (f", at sample index {position}" if position is not None else ""))
@@ -426,6 +439,23 @@ class DataLoader:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def stats(self) -> dict[str, Any]:
+        """Return where loading time goes, per epoch and overall.
+
+        Returns:
+            {"epochs": {epoch: timings}, "total": timings, "in_flight": batches dispatched and
+            not yet handed over, "shared_memory_bytes": mapped by this loader}. Timings (in
+            seconds) are: `batches`, `wall_s` (first batch requested to last handed over),
+            `waited_s` (time the caller spent waiting for batches), `wait_fraction` (near 1:
+            training is input-bound; near 0: loading keeps up), `worker_fetch_s` (getting
+            samples, transforms included) and `worker_batchify_s` (summed over workers),
+            `handover_s` (turning a finished batch into tensors here) and `batches_per_s`.
+        """
+        runtime = self._resources.runtime
+        in_flight = runtime.dispatcher.in_flight if runtime is not None else 0
+        shm = runtime.slots.in_use_bytes() if runtime is not None and runtime.slots is not None else 0
+        return self._stats.snapshot(in_flight, shm)
+
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes now running for this loader (empty before the first batch)."""
         runtime = self._resources.runtime
@@ -471,6 +501,9 @@ class _BatchIterator:
         self._run = run
         self._ahead: Any = None
         self._ahead_error: BaseException | None = None
+        self._bar: ProgressBar | None = None
+        if loader._options.progress:
+            self._bar = ProgressBar(run.number, run.length - run.skipped if run.length >= 0 else None)
 
     def __iter__(self) -> _BatchIterator:
         return self
@@ -494,12 +527,21 @@ class _BatchIterator:
         try:
             batch = self._next_batch()
         except StopIteration:
+            if self._bar is not None:
+                self._bar.close(self._wait_fraction())
+                self._bar = None
             raise
         except BaseException:
             self._run.yielded += 1  # a batch that raised is consumed: resume starts after it
             raise
         self._run.yielded += 1
+        if self._bar is not None:
+            self._bar.update(self._wait_fraction())
         return batch
+
+    def _wait_fraction(self) -> float:
+        stats = self._loader._stats.epochs.get(self._run.number)
+        return stats.as_dict()["wait_fraction"] if stats is not None else 0.0
 
     def _next_batch(self) -> Any:
         device = self._loader._device

@@ -242,3 +242,18 @@ class RangeStream(gloader.IterableDataset):
             if i == self.bad:
                 raise CustomLookupError(f"record {i} is corrupt")
             yield np.array([i], dtype=np.int64)
+
+
+class SlowEverySample(gloader.Dataset):
+    """Every sample takes `seconds` (an input-bound pipeline)."""
+
+    def __init__(self, seconds: float, length: int) -> None:
+        self.seconds = seconds
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        time.sleep(self.seconds)
+        return np.array([idx])

@@ -32,9 +32,10 @@ def test_dataloader_signature_matches_the_contract() -> None:
     assert defaults == {"batch_size": None, "shuffle": False, "sampler": None, "last_batch": None,
                         "batch_sampler": None, "batchify_fn": None, "num_workers": 0, "pin_memory": False,
                         "pin_device_id": 0, "prefetch": None, "thread_pool": False, "timeout": 120,
-                        "device": None, "worker_init_fn": None, "seed": None, "start_method": None, "pool": None}
+                        "device": None, "worker_init_fn": None, "seed": None, "start_method": None, "pool": None,
+                        "progress": False}
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY
-               for n in ("device", "worker_init_fn", "seed", "start_method", "pool"))
+               for n in ("device", "worker_init_fn", "seed", "start_method", "pool", "progress"))
 
 
 def test_batchify_tuple_is_group() -> None:

@@ -1,0 +1,101 @@
+"""Pipeline statistics and the progress bar: is training waiting for input, and where does
+loading time go? Runs in the caller's process. The whole flow is drawn in `_dispatch`."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+__all__ = ["EpochStats", "PipelineStats", "ProgressBar"]
+
+# Shortest interval between two redraws of the progress bar. Shorter: smoother; longer:
+# less terminal output (and less time spent writing it).
+_REDRAW_S = 0.1
+
+
+@dataclasses.dataclass
+class EpochStats:
+    """Accumulated timings of one epoch (seconds)."""
+
+    batches: int = 0
+    waited_s: float = 0.0
+    fetch_s: float = 0.0
+    batchify_s: float = 0.0
+    handover_s: float = 0.0
+    started: float = 0.0
+    last: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        wall = max(self.last - self.started, 1e-9) if self.batches else 0.0
+        return {"batches": self.batches, "wall_s": wall, "waited_s": self.waited_s,
+                "wait_fraction": self.waited_s / wall if wall else 0.0,
+                "worker_fetch_s": self.fetch_s, "worker_batchify_s": self.batchify_s,
+                "handover_s": self.handover_s, "batches_per_s": self.batches / wall if wall else 0.0}
+
+
+class PipelineStats:
+    """Per-epoch and overall timings of a loader."""
+
+    def __init__(self) -> None:
+        self.epochs: dict[int, EpochStats] = {}
+
+    def record(self, epoch: int, waited_s: float, fetch_s: float, batchify_s: float, handover_s: float) -> None:
+        """Add one batch's timings to `epoch`."""
+        now = time.perf_counter()
+        stats = self.epochs.get(epoch)
+        if stats is None:
+            stats = self.epochs[epoch] = EpochStats(started=now - waited_s)
+        stats.batches += 1
+        stats.waited_s += waited_s
+        stats.fetch_s += fetch_s
+        stats.batchify_s += batchify_s
+        stats.handover_s += handover_s
+        stats.last = now
+
+    def snapshot(self, in_flight: int, shared_memory_bytes: int) -> dict[str, Any]:
+        total = EpochStats()
+        for stats in self.epochs.values():
+            for field in ("batches", "waited_s", "fetch_s", "batchify_s", "handover_s"):
+                setattr(total, field, getattr(total, field) + getattr(stats, field))
+        overall = total.as_dict()
+        wall = sum(s.as_dict()["wall_s"] for s in self.epochs.values())
+        overall.update(wall_s=wall, wait_fraction=total.waited_s / wall if wall else 0.0,
+                       batches_per_s=total.batches / wall if wall else 0.0)
+        return {"epochs": {epoch: s.as_dict() for epoch, s in sorted(self.epochs.items())}, "total": overall,
+                "in_flight": in_flight, "shared_memory_bytes": shared_memory_bytes}
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr: batches done, batches/s and the share of time the
+    caller waited for input. Shown only because the user asked for it (`progress=True`)."""
+
+    def __init__(self, epoch: int, total: int | None) -> None:
+        self._epoch = epoch
+        self._total = total
+        self._done = 0
+        self._started = time.perf_counter()
+        self._drawn = 0.0
+
+    def update(self, waited_fraction: float) -> None:
+        self._done += 1
+        now = time.perf_counter()
+        if now - self._drawn >= _REDRAW_S or self._done == self._total:
+            self._drawn = now
+            self._draw(now, waited_fraction)
+
+    def close(self, waited_fraction: float) -> None:
+        self._draw(time.perf_counter(), waited_fraction)
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def _draw(self, now: float, waited_fraction: float) -> None:
+        rate = self._done / max(now - self._started, 1e-9)
+        if self._total:
+            width = 24
+            filled = min(width, width * self._done // self._total)
+            bar = f"[{'#' * filled}{'.' * (width - filled)}] {self._done}/{self._total}"
+        else:
+            bar = f"{self._done} batches"
+        sys.stderr.write(f"\repoch {self._epoch} {bar} {rate:.1f} batches/s, waited {waited_fraction:.0%}")
+        sys.stderr.flush()

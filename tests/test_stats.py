@@ -1,0 +1,42 @@
+"""Pipeline visibility: stats() and the progress bar."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gloader import DataLoader
+
+from tests import _data
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("mode", [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
+def test_stats_count_batches_and_split_time_per_epoch(mode: dict) -> None:
+    with DataLoader(np.arange(64, dtype=np.float32), batch_size=8, **mode) as loader:
+        assert loader.stats()["total"]["batches"] == 0
+        for _ in range(2):
+            list(loader)
+        stats = loader.stats()
+    assert list(stats["epochs"]) == [0, 1]
+    for epoch in stats["epochs"].values():
+        assert epoch["batches"] == 8 and epoch["wall_s"] > 0 and 0 <= epoch["wait_fraction"] <= 1.0 + 1e-6
+        assert epoch["worker_fetch_s"] >= 0 and epoch["worker_batchify_s"] >= 0
+    assert stats["total"]["batches"] == 16
+    if mode["num_workers"] and not mode.get("thread_pool"):
+        assert stats["shared_memory_bytes"] > 0
+
+
+def test_stats_show_an_input_bound_loader() -> None:
+    with DataLoader(_data.SlowEverySample(0.02, length=8), batch_size=2, num_workers=1) as slow:
+        list(slow)
+        stats = slow.stats()["total"]
+    assert stats["wait_fraction"] > 0.5  # the caller did nothing but wait
+    assert stats["worker_fetch_s"] >= 8 * 0.02 * 0.9
+
+
+def test_progress_bar_reports_batches_and_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    with DataLoader(np.arange(40), batch_size=4, num_workers=2, progress=True) as loader:
+        list(loader)
+    err = capsys.readouterr().err
+    assert "epoch 0" in err and "10/10" in err and "batches/s" in err and "waited" in err
