@@ -8,7 +8,11 @@ Runs in the caller's process. The whole flow is drawn in `_dispatch`.
 """
 from __future__ import annotations
 
+import importlib
+import io
 import pickle
+import sys
+import types
 from typing import Any
 
 from ._registry import Payload
@@ -20,11 +24,41 @@ __all__ = ["build_payload"]
 _MAX_SEARCH_DEPTH = 6
 
 
-def _dumps(obj: Any) -> bytes:
-    import dill
+_PICKLER: Any = None
 
-    data: bytes = dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
-    return data
+
+def _pickler_class() -> Any:
+    """dill's pickler, saving every importable module by reference.
+
+    With `recurse=True` (which lets a notebook function carry the globals it uses), dill saves
+    a module that is not installed under sys.prefix (an editable install, the user's own
+    project modules) together with its whole namespace, which fails on the first lock or
+    thread-local in it. Workers see the caller's sys.path, so such modules import there.
+    """
+    global _PICKLER
+    if _PICKLER is None:
+        import dill
+
+        class _PayloadPickler(dill.Pickler):  # type: ignore[misc]
+            dispatch = type(dill.Pickler.dispatch)(dill.Pickler.dispatch)
+
+        default_save_module = dill.Pickler.dispatch[types.ModuleType]
+
+        def save_module(pickler: Any, module: types.ModuleType) -> None:
+            if module.__name__ != "__main__" and sys.modules.get(module.__name__) is module:
+                pickler.save_reduce(importlib.import_module, (module.__name__,), obj=module)
+            else:
+                default_save_module(pickler, module)
+
+        _PayloadPickler.dispatch[types.ModuleType] = save_module
+        _PICKLER = _PayloadPickler
+    return _PICKLER
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _pickler_class()(buffer, protocol=pickle.HIGHEST_PROTOCOL, recurse=True).dump(obj)
+    return buffer.getvalue()
 
 
 def _children(obj: Any) -> list[tuple[str, Any]]:

@@ -344,3 +344,31 @@ def test_owned_shuffle_dispatches_next_epoch_before_it_is_asked_for() -> None:
     with DataLoader(np.arange(40), batch_size=4, shuffle=True, seed=3) as inline:
         list(inline)
         assert second == torch.cat(list(inline)).tolist()
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_notebook_style_main_code_reaches_spawned_workers(start_method: str) -> None:
+    """Code run with `python -c` has no file, like a notebook cell: its classes and lambdas
+    (referring to module globals and to gloader itself) must travel to the workers by value."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import numpy as np, gloader
+        OFFSET = 100
+        class Cell(gloader.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                info = gloader.get_worker_info()
+                return np.array([i, -1 if info is None else info.id])
+        ds = Cell().transform(lambda x: x + OFFSET)
+        with gloader.DataLoader(ds, batch_size=4, num_workers=2, start_method={start_method!r}) as dl:
+            rows = np.concatenate([b.numpy() for b in dl])
+        assert rows[:, 0].tolist() == [100 + i for i in range(8)], rows
+        assert (rows[:, 1] >= 100).all(), rows  # loaded in workers (id + OFFSET), not in-process
+        print("ok")
+        """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -1,0 +1,51 @@
+# %% [markdown]
+# # Performance: gloader versus torch's DataLoader
+#
+# The benchmark (`python -m gloader.bench`) runs both loaders side by side in one process,
+# round by round, on synthetic data. Here: one quick round of W1-W4 (the README has the full
+# run). Ratios, not absolute times: this machine is shared and noisy.
+
+# %%
+import os
+import tempfile
+
+from IPython.display import Image, Markdown, display
+
+from gloader import bench
+
+results = bench.run(quick=True, rounds=1, only={"W1", "W2", "W3", "W4"})
+display(Markdown(bench.report(results)))
+
+# %%
+chart = os.path.join(tempfile.mkdtemp(), "bench.png")
+bench.plot(results, chart)
+display(Image(chart))
+
+# %% [markdown]
+# ## Is my training input-bound?
+# `loader.stats()` splits the time: how long the caller waited for batches, how long the
+# workers spent fetching samples and batchifying them, and the hand-over.
+
+# %%
+import numpy as np
+
+from gloader import DataLoader
+
+
+class Slowish:
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, idx):
+        return np.sin(np.linspace(0, idx, 20_000)).astype(np.float32)[:16]
+
+
+with DataLoader(Slowish(), batch_size=32, num_workers=2, start_method="fork") as loader:
+    for batch in loader:
+        pass
+    total = loader.stats()["total"]
+{key: round(value, 4) for key, value in total.items()}
+
+# %% [markdown]
+# A `wait_fraction` near 1 means the model waits for data: add workers, make `__getitem__`
+# cheaper, or keep the dataset in numpy arrays (see the README's copy-on-write section).
