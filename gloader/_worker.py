@@ -214,6 +214,37 @@ def _error_message(exc: BaseException, tb_text: str, context: str, batch_index: 
     return ("err", info)
 
 
+def _start_batch(spec: PoolSpec | None, loader_id: int, seed: int, is_thread: bool) -> _registry.Registration:
+    """Find the loader, seed this batch's generators and publish its WorkerInfo."""
+    registration = _find_registration(spec, loader_id)
+    if registration is None:
+        raise RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its "
+                           "pool was started without it")
+    if not is_thread:
+        seed_global_rng(seed)  # thread workers share the caller's generators: they use info.rng
+    identity = _registry.current_identity() or (0, 1)
+    _registry.set_current_info(WorkerInfo(identity[0], identity[1], seed, registration.dataset,
+                                          np.random.default_rng(seed)))
+    return registration
+
+
+def _registration_failure(registration: _registry.Registration, batch_index: int,
+                          is_thread: bool) -> tuple[Any, ...]:
+    """The error message for a task of a loader whose registration failed in this worker."""
+    assert registration.error is not None, "internal error: no registration failure to report"
+    return _error_message(registration.error, registration.error_traceback, registration.error_context,
+                          batch_index, None, is_thread)
+
+
+def _make_batch(registration: _registry.Registration, samples: list[Any], is_thread: bool,
+                slot: str | None, slot_capacity: int) -> Any:
+    """Batchify: thread workers return the batch itself, process workers a shared-memory handle."""
+    batchify_fn: Any = registration.batchify_fn
+    if is_thread:
+        return _batch_in_thread(batchify_fn, samples)
+    return pack_batch(plan_batch(batchify_fn, samples), slot, slot_capacity, registration.prefix, _CACHE)
+
+
 def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: bytes,
               slot: str | None, slot_capacity: int) -> Any:
     """Load one batch: fetch its samples, batchify them, hand the result over.
@@ -236,19 +267,10 @@ def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: 
             _refresh_registry(spec)
             row = _STATUS_ROW[0]
             spec.status[row + 1:row + STATUS_FIELDS] = [loader_id, epoch, batch_index]
-        registration = _find_registration(spec, loader_id)
-        if registration is None:
-            raise RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its "
-                               "pool was started without it")
+        registration = _start_batch(spec, loader_id, seed, is_thread)
         if registration.error is not None:
-            failure = _error_message(registration.error, registration.error_traceback,
-                                     registration.error_context, batch_index, None, is_thread)
+            failure = _registration_failure(registration, batch_index, is_thread)
             return failure if is_thread else dumps_handle(failure)
-        if not is_thread:
-            seed_global_rng(seed)
-        identity = _registry.current_identity() or (0, 1)
-        _registry.set_current_info(WorkerInfo(identity[0], identity[1], seed, registration.dataset,
-                                              np.random.default_rng(seed)))
         started = time.perf_counter()
         order = np.frombuffer(indices, dtype=np.int64)
         samples: list[Any] = []
@@ -257,11 +279,7 @@ def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: 
             append(load(sample_index))
         sample_index = None
         fetched = time.perf_counter()
-        batchify_fn: Any = registration.batchify_fn
-        if is_thread:
-            result: Any = _batch_in_thread(batchify_fn, samples)
-        else:
-            result = pack_batch(plan_batch(batchify_fn, samples), slot, slot_capacity, registration.prefix, _CACHE)
+        result = _make_batch(registration, samples, is_thread, slot, slot_capacity)
         message: tuple[Any, ...] = ("ok", result, fetched - started, time.perf_counter() - fetched)
     except BaseException as exc:
         message = _error_message(exc, traceback.format_exc(), "", batch_index, sample_index, is_thread)
@@ -318,26 +336,17 @@ def run_stream_batch(loader_id: int, epoch: int, batch_index: int, seed: int, ba
     is_thread = spec is None or spec.is_thread
     message: tuple[Any, ...]
     try:
-        registration = _find_registration(spec, loader_id)
-        if registration is None or registration.error is not None:
-            raise RuntimeError(f"gloader worker has no usable registration for loader {loader_id}")
-        if not is_thread:
-            seed_global_rng(seed)
-        identity = _registry.current_identity() or (0, 1)
-        _registry.set_current_info(WorkerInfo(identity[0], identity[1], seed, registration.dataset,
-                                              np.random.default_rng(seed)))
+        registration = _start_batch(spec, loader_id, seed, is_thread)
+        if registration.error is not None:
+            message = _registration_failure(registration, batch_index, is_thread)
+            return message if is_thread else dumps_handle(message)
         started = time.perf_counter()
         samples = _next_stream_samples(loader_id, epoch, registration, batch_size)
         if samples is None or (len(samples) < batch_size and not keep_last):
-            message = ("end", identity[0])
+            message = ("end", (_registry.current_identity() or (0, 1))[0])
         else:
             fetched = time.perf_counter()
-            batchify_fn: Any = registration.batchify_fn
-            if is_thread:
-                result: Any = _batch_in_thread(batchify_fn, samples)
-            else:
-                result = pack_batch(plan_batch(batchify_fn, samples), slot, slot_capacity, registration.prefix,
-                                    _CACHE)
+            result = _make_batch(registration, samples, is_thread, slot, slot_capacity)
             message = ("ok", result, fetched - started, time.perf_counter() - fetched)
     except BaseException as exc:
         message = _error_message(exc, traceback.format_exc(), "", batch_index, None, is_thread)

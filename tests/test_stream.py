@@ -68,3 +68,10 @@ def test_stream_has_no_length_and_no_state() -> None:
             loader.state_dict()
     with pytest.raises(ValueError, match="IterableDataset has no indices"):
         DataLoader(_data.RangeStream(5), batch_size=2, shuffle=True)
+
+
+def test_failing_worker_init_fn_is_reported_with_its_type_for_streams() -> None:
+    with DataLoader(_data.RangeStream(10), batch_size=2, num_workers=2, worker_init_fn=_data.failing_init) as loader:
+        with pytest.raises(PermissionError, match="cannot open the database") as info:
+            next(iter(loader))
+    assert "worker_init_fn raised" in "\n".join(info.value.__notes__)
