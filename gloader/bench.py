@@ -11,6 +11,7 @@ Workloads:
     W3 CPU-bound: about 0.5 ms of numpy work per sample, batch 32.
     W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data).
     W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench_memory`.
+    W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench_device`.
 """
 from __future__ import annotations
 
@@ -190,6 +191,10 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
             "ratio": [t_torch / t_gl for t_gl, t_torch in zip(times["gloader"], times["torch"])],
         }
     _run_memory(quick, only, results)
+    if only is not None and "W7" in only:
+        from .bench_device import measure_device_transfer
+
+        results["W7"] = measure_device_transfer(quick, rounds)
     if not with_latency:
         return results
     # W4: fresh loaders per round, so epoch 1 includes starting the workers.
@@ -234,17 +239,18 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {name} {res['title']} | {_summary(res['samples_per_s']['gloader'])} | "
                      f"{_summary(res['samples_per_s']['torch'])} | {_summary(res['mb_per_s']['gloader'])} | "
                      f"{_summary(res['mb_per_s']['torch'])} | **{_summary(res['ratio'])}x** |")
+    from .bench_device import report_device
     from .bench_memory import report_memory
 
     if "W4" not in results:
-        return "\n".join(lines + report_memory(results))
+        return "\n".join(lines + report_memory(results) + report_device(results))
     w4 = results["W4"]
     lines += ["", "| W4 first batch (W2 data) | gloader ms | torch ms | torch/gloader |", "|---|---|---|---|"]
     for key, label in (("epoch1_ms", "epoch 1 (starts workers)"), ("later_ms", "epochs 2-5 (median)")):
         ratio = [t / g for g, t in zip(w4[key]["gloader"], w4[key]["torch"])]
         lines.append(f"| {label} | {_summary(w4[key]['gloader'])} | {_summary(w4[key]['torch'])} | "
                      f"{_summary(ratio)}x |")
-    return "\n".join(lines + report_memory(results))
+    return "\n".join(lines + report_memory(results) + report_device(results))
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -294,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     only = None
     if args.workloads:
         only = {w.strip().upper() for w in args.workloads.split(",")}
-        unknown = only - {"W1", "W2", "W3", "W4", "W5", "W6"}
+        unknown = only - {"W1", "W2", "W3", "W4", "W5", "W6", "W7"}
         if unknown:
-            parser.error(f"--workloads takes W1 to W6; got {sorted(unknown)}")
+            parser.error(f"--workloads takes W1 to W7; got {sorted(unknown)}")
         if args.plot and not {"W1", "W2", "W3", "W4"} <= only:
             parser.error("--plot needs W1, W2, W3 and W4")
     torch.set_num_threads(1)

@@ -19,7 +19,8 @@ from ._dispatch import SHARD_DONE, BatchTimeoutError, Dispatcher, EpochRun
 from ._options import Options, check_last_batch, check_positive_int, validate_options
 from ._payload import build_payload
 from ._pool import PoolCore, WorkerExitedError, WorkerPool
-from ._stats import PipelineStats, ProgressBar
+from ._epoch import BatchIterator, StreamBatches
+from ._stats import PipelineStats
 from ._seed import derive_batch_seed, draw_base_seed, preserved_global_rng, seed_global_rng
 from ._transport import SlotPool
 from ._tree import arrays_to_tensors
@@ -200,7 +201,7 @@ class DataLoader:
             check_positive_int("batch_size", batch_size)
             if mode == "rollover":
                 raise ValueError("last_batch='rollover' needs a map-style dataset; use 'keep' or 'discard'")
-            return _StreamBatches(dataset, batch_size, mode)
+            return StreamBatches(dataset, batch_size, mode)
         if sampler is None:
             length = dataset_length(dataset)
             sampler = RandomSampler(length, seed) if shuffle else SequentialSampler(length)
@@ -218,7 +219,7 @@ class DataLoader:
         self._stop_pinner()
         run, self._upcoming = self._upcoming or self._new_run(), None
         self._current = run
-        iterator = _BatchIterator(self, run)
+        iterator = BatchIterator(self, run)
         if self._options.pin_memory:
             self._pinner = PinThread(iterator, self._options.pin_device_id, self._options.timeout_s)
         return iterator
@@ -466,99 +467,3 @@ class DataLoader:
         kind = "in-process" if opts.num_workers == 0 else (
             f"{opts.num_workers} {'threads' if opts.thread_pool else 'processes'}")
         return f"DataLoader(id={self._id}, {kind}, prefetch={opts.prefetch}, {'closed' if self._closed else 'open'})"
-
-
-class _StreamBatches:
-    """Groups an in-process IterableDataset's samples into lists of `batch_size`."""
-
-    def __init__(self, dataset: IterableDataset, batch_size: int, last_batch: str) -> None:
-        self._dataset = dataset
-        self.batch_size = batch_size
-        self.keep_last = last_batch == "keep"
-
-    def __iter__(self) -> Iterator[list[Any]]:
-        stream = iter(self._dataset)
-        while True:
-            batch = list(itertools.islice(stream, self.batch_size))
-            if len(batch) == self.batch_size or (batch and self.keep_last):
-                yield batch
-            if len(batch) < self.batch_size:
-                return
-
-
-_END = object()
-
-
-class _BatchIterator:
-    """Iterates one epoch run; with a device, copies one batch ahead of the caller.
-
-    Counts the batches that reach the caller (`run.yielded`), which is what `state_dict`
-    saves: the pin thread and the device stage fetch ahead of the caller.
-    """
-
-    def __init__(self, loader: DataLoader, run: EpochRun) -> None:
-        self._loader = loader
-        self._run = run
-        self._ahead: Any = None
-        self._ahead_error: BaseException | None = None
-        self._bar: ProgressBar | None = None
-        if loader._options.progress:
-            self._bar = ProgressBar(run.number, run.length - run.skipped if run.length >= 0 else None)
-
-    def __iter__(self) -> _BatchIterator:
-        return self
-
-    def __len__(self) -> int:
-        if self._run.length < 0:
-            raise TypeError("this epoch has no length (an IterableDataset, or a batch sampler without __len__)")
-        return self._run.length - self._run.skipped
-
-    def fetch(self) -> Any:
-        """Next host batch of this run; called by the pin thread when there is one."""
-        return self._loader._next_host_batch(self._run)
-
-    def _host(self) -> Any:
-        pinner = self._loader._pinner
-        if pinner is not None and pinner.serves(self):
-            return pinner.take()
-        return self.fetch()
-
-    def __next__(self) -> Any:
-        try:
-            batch = self._next_batch()
-        except StopIteration:
-            if self._bar is not None:
-                self._bar.close(self._wait_fraction())
-                self._bar = None
-            raise
-        except BaseException:
-            self._run.yielded += 1  # a batch that raised is consumed: resume starts after it
-            raise
-        self._run.yielded += 1
-        if self._bar is not None:
-            self._bar.update(self._wait_fraction())
-        return batch
-
-    def _wait_fraction(self) -> float:
-        stats = self._loader._stats.epochs.get(self._run.number)
-        return stats.as_dict()["wait_fraction"] if stats is not None else 0.0
-
-    def _next_batch(self) -> Any:
-        device = self._loader._device
-        if device is None:
-            return self._host()
-        if self._ahead is None:
-            self._ahead = device.to_device(self._host())
-        if self._ahead is _END:
-            raise StopIteration
-        if self._ahead_error is not None:
-            error, self._ahead_error, self._ahead = self._ahead_error, None, None
-            raise error
-        current = self._ahead
-        try:
-            self._ahead = device.to_device(self._host())
-        except StopIteration:
-            self._ahead = _END
-        except Exception as exc:  # raised at its own turn, after the batch before it
-            self._ahead_error = exc
-        return device.hand_over(*current)

@@ -90,7 +90,8 @@ class RaisesUnrebuildable(gloader.Dataset):
 
 
 class DiesAt(gloader.Dataset):
-    """The worker loading sample `bad` ends itself: 'exit' (os._exit(3)), 'kill' (SIGKILL), 'segv'."""
+    """The worker loading sample `bad` ends itself: 'exit' (os._exit(3)), 'kill' (SIGKILL), 'segv'
+    (SIGSEGV) or 'bus' (SIGBUS, what touching shared memory beyond a full /dev/shm does)."""
 
     def __init__(self, bad: int, how: str, length: int = 64) -> None:
         self.bad = bad
@@ -104,7 +105,8 @@ class DiesAt(gloader.Dataset):
         if idx == self.bad and gloader.get_worker_info() is not None:
             if self.how == "exit":
                 os._exit(3)
-            os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSEGV)
+            signals = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "bus": signal.SIGBUS}
+            os.kill(os.getpid(), signals[self.how])
         return np.array([idx], dtype=np.int64)
 
 

@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("exit", "exited with code 3; likely cause: os._exit"),
     ("kill", "SIGKILL; likely cause: it was killed, most often by the out-of-memory killer"),
     ("segv", "SIGSEGV; likely cause: a crash in native code"),
+    ("bus", r"SIGBUS; likely cause: shared memory ran out \(/dev/shm is full"),
 ])
 def test_dead_worker_raises_within_two_seconds_naming_pid_signal_batch_and_cause(start_method: str, how: str,
                                                                                    says: str) -> None:
@@ -189,9 +190,11 @@ def _gone(pids: list[int], timeout_s: float) -> bool:
     return False
 
 
-def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path) -> None:
-    with _run_script(tmp_path, """
-        loader = DataLoader(_data.Sleepy(slow=3, seconds=30.0), batch_size=2, num_workers=2)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path, start_method: str) -> None:
+    with _run_script(tmp_path, f"""
+        loader = DataLoader(_data.Sleepy(slow=3, seconds=30.0), batch_size=2, num_workers=2,
+                            start_method={start_method!r})
         it = iter(loader)
         next(it)
         try:
@@ -214,9 +217,11 @@ def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path) 
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
 
-def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path) -> None:
-    with _run_script(tmp_path, """
-        loader = DataLoader(np.arange(4096, dtype=np.float32).reshape(512, 8), batch_size=16, num_workers=2)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path, start_method: str) -> None:
+    with _run_script(tmp_path, f"""
+        loader = DataLoader(np.arange(4096, dtype=np.float32).reshape(512, 8), batch_size=16, num_workers=2,
+                            start_method={start_method!r})
         held = [b for b in loader]
         print(" ".join(map(str, loader.worker_pids())), loader._resources.runtime.slots.prefix, flush=True)
         time.sleep(60)
@@ -233,9 +238,11 @@ def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path) -> None:
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
 
-def test_interpreter_exit_with_a_live_loader_is_prompt_and_quiet(tmp_path) -> None:
-    with _run_script(tmp_path, """
-        loader = DataLoader(_data.Sleepy(slow=5, seconds=30.0), batch_size=2, num_workers=2)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_interpreter_exit_with_a_live_loader_is_prompt_and_quiet(tmp_path, start_method: str) -> None:
+    with _run_script(tmp_path, f"""
+        loader = DataLoader(_data.Sleepy(slow=5, seconds=30.0), batch_size=2, num_workers=2,
+                            start_method={start_method!r})
         it = iter(loader)
         next(it)
         print(loader._resources.runtime.slots.prefix, flush=True)

@@ -152,3 +152,17 @@ def test_unpicklable_leaf_in_a_batch_travels_by_dill() -> None:
 
     with DataLoader([0, 1, 2, 3], batch_size=2, num_workers=1, batchify_fn=lambda xs: [Local(x) for x in xs]) as dl:
         assert [[o.v for o in b] for b in dl] == [[0, 1], [2, 3]]
+
+
+def test_small_dev_shm_warns_at_the_first_batch_naming_sizes_and_fix(monkeypatch) -> None:
+    from gloader import _transport
+
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(_transport.os, "statvfs", lambda path: Tiny() if path == "/dev/shm" else real(path))
+    with DataLoader(np.zeros((64, 1024), np.float32), batch_size=16, num_workers=1) as loader:
+        with pytest.warns(ResourceWarning, match=r"/dev/shm has 0 MiB free.*needs about .* MiB.*--shm-size"):
+            next(iter(loader))

@@ -33,7 +33,9 @@ class Noisy(gloader.Dataset):
 
 # %%
 with WorkerPool(2, start_method="spawn") as pool:
-    train = DataLoader(Noisy(tag=1), batch_size=4, shuffle=True, pool=pool, seed=0)
+    # A lambda defined in the notebook, carried to spawned workers by value.
+    train_set = Noisy(tag=1).transform(lambda row: row * np.array([1, 1, 0.5]))
+    train = DataLoader(train_set, batch_size=4, shuffle=True, pool=pool, seed=0)
     val = DataLoader(Noisy(tag=2), batch_size=6, pool=pool)
     for train_batch, val_batch in zip(train, val):
         assert (train_batch[:, 0] == 1).all() and (val_batch[:, 0] == 2).all()

@@ -29,6 +29,7 @@ display(Image(chart))
 # %%
 import numpy as np
 
+import gloader
 from gloader import DataLoader
 
 
@@ -40,11 +41,13 @@ class Slowish:
         return np.sin(np.linspace(0, idx, 20_000)).astype(np.float32)[:16]
 
 
-with DataLoader(Slowish(), batch_size=32, num_workers=2, start_method="fork") as loader:
-    for batch in loader:
-        pass
-    total = loader.stats()["total"]
-{key: round(value, 4) for key, value in total.items()}
+dataset = gloader.SimpleDataset(list(range(256))).transform(lambda i: Slowish()[i])
+for method in ("fork", "spawn"):
+    with DataLoader(dataset, batch_size=32, num_workers=2, start_method=method) as loader:
+        for batch in loader:
+            pass
+        total = loader.stats()["total"]
+    print(method, {key: round(value, 4) for key, value in total.items()})
 
 # %% [markdown]
 # A `wait_fraction` near 1 means the model waits for data: add workers, make `__getitem__`

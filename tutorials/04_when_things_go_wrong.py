@@ -56,7 +56,8 @@ for method in ("fork", "spawn"):
 # workers' exit codes itself and raises within a fraction of a second.
 
 # %%
-with DataLoader(Flaky(die=13), batch_size=4, num_workers=2) as loader:
+with DataLoader(Flaky(die=13).transform(lambda x: x * 10), batch_size=4, num_workers=2,
+                start_method="spawn") as loader:
     started = time.monotonic()
     try:
         list(loader)
