@@ -34,6 +34,11 @@ def _helper_pids() -> set[int]:
     return pids
 
 
+def shm_entries(prefix: str) -> list[str]:
+    """Names in /dev/shm that start with `prefix`."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+
+
 def snapshot() -> dict[str, set]:
     me = psutil.Process()
     return {

@@ -21,6 +21,7 @@ from gloader import DataLoader
 from gloader._dispatch import BatchTimeoutError
 
 from tests import _data
+from tests.conftest import shm_entries
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -214,7 +215,7 @@ def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path, 
         stderr = proc.stderr.read()
     assert "KeyboardInterrupt" in stderr and "Exception ignored" not in stderr and "ResourceWarning" not in stderr
     assert _gone(pids, 5.0)
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    assert not shm_entries(prefix)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -228,14 +229,14 @@ def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path, start_me
         """) as proc:
         pids_text, prefix = _wait_line(proc).rsplit(" ", 1)
         pids = [int(p) for p in pids_text.split()]
-        assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]  # the caller holds batches
+        assert shm_entries(prefix)  # the caller holds batches
         proc.kill()
         proc.wait(10)
     assert _gone(pids, 5.0)
     deadline = time.monotonic() + 5.0
-    while [n for n in os.listdir("/dev/shm") if n.startswith(prefix)] and time.monotonic() < deadline:
+    while shm_entries(prefix) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    assert not shm_entries(prefix)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -253,7 +254,7 @@ def test_interpreter_exit_with_a_live_loader_is_prompt_and_quiet(tmp_path, start
         assert time.monotonic() - started < 6.0
         stderr = proc.stderr.read()
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    assert not shm_entries(prefix)
 
 
 def test_soak_fifty_loaders_and_two_hundred_epochs_leave_counts_unchanged() -> None:

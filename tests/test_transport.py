@@ -14,6 +14,7 @@ from gloader._transport import SegmentCache, SlotPool, pack_batch
 from gloader.batchify import plan_batch
 
 from tests import _data
+from tests.conftest import shm_entries
 from tests.test_loader import assert_same_batch
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,10 +112,6 @@ def test_growing_batches_replace_small_slots_and_surplus_is_unlinked(slots) -> N
     assert len(pool._free) <= 4
 
 
-def _shm_entries(prefix: str) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-
-
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_workers_reuse_slots_in_steady_state_and_held_batches_survive(start_method: str) -> None:
     with DataLoader(np.arange(4096, dtype=np.float32).reshape(512, 8), batch_size=16, num_workers=2,
@@ -134,7 +131,7 @@ def test_workers_reuse_slots_in_steady_state_and_held_batches_survive(start_meth
         assert len(slots._maps) <= loader._options.prefetch + 5
         prefix = slots.prefix
     assert torch.equal(held[0], snapshot)
-    assert _shm_entries(prefix) == []
+    assert shm_entries(prefix) == []
 
 
 def test_nothing_is_left_in_shm_after_an_error_in_a_worker() -> None:
@@ -142,7 +139,7 @@ def test_nothing_is_left_in_shm_after_an_error_in_a_worker() -> None:
         with pytest.raises(_data.CustomLookupError):
             list(loader)
         prefix = loader._resources.runtime.slots.prefix
-    assert _shm_entries(prefix) == []
+    assert shm_entries(prefix) == []
 
 
 def test_unpicklable_leaf_in_a_batch_travels_by_dill() -> None:
