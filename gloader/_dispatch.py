@@ -95,10 +95,6 @@ class EpochRun:
     stream: tuple[int, bool] | None = None  # (batch size, keep last) for an IterableDataset
     shards_done: set[int] = dataclasses.field(default_factory=set)
 
-    @property
-    def finished(self) -> bool:
-        return self.exhausted and not self.pending
-
 
 def _rebuild_exception(info: dict[str, Any]) -> BaseException:
     exc = info["exception"]

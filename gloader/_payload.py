@@ -98,13 +98,13 @@ def _dump_part(name: str, obj: Any) -> bytes | None:
 
 
 def build_payload(dataset: Any, batchify_fn: Any, worker_init_fn: Any, base_seed: int, prefix: str,
-                  is_stream: bool, pickled: bool) -> Payload:
+                  pickled: bool) -> Payload:
     """Return a loader's payload; with `pickled`, each part is dill bytes.
 
     Raises:
         TypeError: when a part cannot be pickled, naming the part and the attribute path.
     """
     if not pickled:
-        return Payload(dataset, batchify_fn, worker_init_fn, base_seed, prefix, is_stream, False)
+        return Payload(dataset, batchify_fn, worker_init_fn, base_seed, prefix, False)
     return Payload(_dump_part("dataset", dataset), _dump_part("batchify function", batchify_fn),
-                   _dump_part("worker_init_fn", worker_init_fn), base_seed, prefix, is_stream, True)
+                   _dump_part("worker_init_fn", worker_init_fn), base_seed, prefix, True)

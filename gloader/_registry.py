@@ -48,7 +48,6 @@ class Payload:
     worker_init_fn: Any
     base_seed: int
     prefix: str
-    is_stream: bool
     pickled: bool
 
 
@@ -60,7 +59,6 @@ class Registration:
     batchify_fn: Callable[[list[Any]], Any] | None = None
     base_seed: int = 0
     prefix: str = ""
-    is_stream: bool = False
     error: BaseException | None = None
     error_traceback: str = ""
     error_context: str = ""
@@ -117,8 +115,7 @@ def register_loader(loader_id: int, payload: Payload, from_file: bool = False) -
     A failure (unpickling, `worker_init_fn`) is kept in the registration and reported by the
     loader's first task, so that a pool initializer never fails and respawns in a loop.
     """
-    registration = Registration(base_seed=payload.base_seed, prefix=payload.prefix,
-                                is_stream=payload.is_stream, from_file=from_file)
+    registration = Registration(base_seed=payload.base_seed, prefix=payload.prefix, from_file=from_file)
     stage = "dataset"
     try:
         registration.dataset = _load_part(payload.dataset, payload.pickled)

@@ -363,7 +363,7 @@ class DataLoader:
 
     def _payload(self, prefix: str, pickled: bool) -> Any:
         return build_payload(self._dataset, self._batchify_fn, self._options.worker_init_fn, self._base_seed,
-                             prefix, self._is_stream, pickled)
+                             prefix, pickled)
 
     def _stop_runtime(self) -> None:
         """After a dead worker or a timeout: shut the pool down; the next epoch starts a new one."""

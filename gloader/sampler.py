@@ -289,11 +289,3 @@ class DistributedSampler(Sampler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._seed = int(state["seed"])
         self._epoch = int(state["epoch"])
-
-
-def as_index_list(indices: Sequence[Any]) -> list[int]:
-    """Return a batch's indices as plain ints, with a TypeError for anything else."""
-    try:
-        return [int(i) for i in indices]
-    except (TypeError, ValueError):
-        raise TypeError(f"a batch sampler must yield sequences of integer indices, got {indices!r}") from None
