@@ -259,3 +259,15 @@ class SlowEverySample(gloader.Dataset):
     def __getitem__(self, idx: int) -> Any:
         time.sleep(self.seconds)
         return np.array([idx])
+
+
+class FreezeCount(gloader.Dataset):
+    """Sample i reports how many objects the loading process's collector has frozen."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, idx: int) -> Any:
+        import gc
+
+        return np.array([gc.get_freeze_count()], dtype=np.int64)

@@ -372,3 +372,12 @@ def test_notebook_style_main_code_reaches_spawned_workers(start_method: str) -> 
         """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_forked_workers_freeze_inherited_objects_out_of_their_collector() -> None:
+    import gc
+
+    with DataLoader(_data.FreezeCount(), batch_size=2, num_workers=1, start_method="fork") as loader:
+        counts = torch.cat(list(loader)).tolist()
+    assert all(count > 1000 for count in counts)  # the caller's objects, inherited by fork
+    assert gc.get_freeze_count() == 0  # never in the caller's own process
