@@ -35,7 +35,7 @@ from ._pool import PoolCore, WorkerExitedError
 from ._transport import SlotPool, loads_handle
 from ._worker import run_batch, run_stream_batch
 
-__all__ = ["BatchTimeoutError", "Dispatcher", "EpochRun", "SHARD_DONE", "Task", "raise_worker_error"]
+__all__ = ["BatchTimeoutError", "Dispatcher", "EpochRun", "ShardDone", "Task", "raise_worker_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +44,11 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.05
 
 
-class _ShardDone:
+class ShardDone:
     """What `collect` returns for a stream task whose worker's shard is exhausted."""
 
-    def __init__(self) -> None:
-        self.worker_id = -1
-
-
-SHARD_DONE = _ShardDone
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
 
 
 class BatchTimeoutError(TimeoutError):
@@ -150,7 +147,6 @@ class Dispatcher:
         self._in_flight = 0
         self._discarded: list[Task] = []
         self._outstanding: set[Task] = set()  # submitted and not yet collected or reaped
-        self.batch_bytes = 0
         # Timings of the last collected batch: waited, worker fetch, worker batchify, hand-over.
         self.last_timings = (0.0, 0.0, 0.0, 0.0)
 
@@ -205,18 +201,15 @@ class Dispatcher:
             if self._slots is not None:
                 self._slots.settle(task.slot, None)
             if message[0] == "end":
-                done = _ShardDone()
-                done.worker_id = message[1]
-                return done
+                return ShardDone(message[1])
             raise_worker_error(message[1], task.epoch)
         _, payload, fetch_s, batchify_s = message
         if self._slots is None:
             batch = payload
         else:
             self._slots.settle(task.slot, payload)
-            if payload[0] is not None and not self.batch_bytes:
-                self.batch_bytes = payload[1]
-                self._slots.warn_if_shm_small(payload[1], self._prefetch + 2)
+            if payload[0] is not None:
+                self._slots.warn_if_shm_small(payload[1], self._prefetch + 2)  # checks once per loader
             batch = self._slots.rebuild(payload)
         self.last_timings = (ready - started, fetch_s, batchify_s, time.perf_counter() - ready)
         return batch

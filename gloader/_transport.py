@@ -32,7 +32,8 @@ import torch
 
 from ._tree import Leaf, Opaque, iter_leaves
 
-__all__ = ["SegmentCache", "SlotPool", "pack_batch", "unlink_prefix"]
+__all__ = ["SegmentCache", "SlotPool", "dumps_handle", "loads_handle", "pack_batch", "unlink_prefix",
+           "unlink_segment"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ def _map_segment(name: str, capacity: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def _unlink(name: str) -> None:
+def unlink_segment(name: str) -> None:
+    """Remove exactly the segment `name` (gone already is fine)."""
     try:
         os.unlink(_path(name))
     except FileNotFoundError:
@@ -161,7 +163,8 @@ def _encode(plan: Any, offsets: dict[int, int]) -> Any:
     return ("D", [(key, _encode(item, offsets)) for key, item in plan.items()])
 
 
-def _dumps(handle: Any) -> bytes:
+def dumps_handle(handle: Any) -> bytes:
+    """Encode a small message for the caller: stdlib pickle, dill only when needed."""
     try:
         return b"P" + pickle.dumps(handle, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
@@ -178,11 +181,6 @@ def loads_handle(data: bytes) -> Any:
     import dill
 
     return dill.loads(data[1:])
-
-
-def dumps_handle(handle: Any) -> bytes:
-    """Encode a small message for the caller: stdlib pickle, dill only when needed."""
-    return _dumps(handle)
 
 
 def pack_batch(plan: Any, slot: str | None, slot_capacity: int, prefix: str, cache: SegmentCache) -> tuple[Any, ...]:
@@ -217,7 +215,7 @@ def pack_batch(plan: Any, slot: str | None, slot_capacity: int, prefix: str, cac
     except BaseException:
         if created:
             cache.forget(name)
-            _unlink(name)  # never handed over: this worker still owns it
+            unlink_segment(name)  # never handed over: this worker still owns it
         raise
     return (name, capacity, created, _encode(plan, offsets))
 
@@ -319,7 +317,7 @@ class SlotPool:
             else:
                 self._free.append(name)
                 return
-        _unlink(name)
+        unlink_segment(name)
         if segment is not None:
             _close_map(segment)
 
@@ -335,7 +333,7 @@ class SlotPool:
             maps, self._maps = self._maps, {}
             self._free = []
         for name, segment in maps.items():
-            _unlink(name)
+            unlink_segment(name)
             _close_map(segment)
         removed = unlink_prefix(self.prefix)  # created by workers but never handed over
         if removed:
@@ -349,13 +347,13 @@ class SlotPool:
                 self._maps[name] = segment
                 self.segments_created += 1
         if closed:
-            _unlink(name)
+            unlink_segment(name)
             _close_map(segment)
 
     def _retire(self, name: str) -> None:
         with self._lock:
             segment = self._maps.pop(name, None)
-        _unlink(name)
+        unlink_segment(name)
         if segment is not None:
             _close_map(segment)
 

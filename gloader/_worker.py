@@ -26,7 +26,7 @@ from . import _registry
 from ._registry import Payload, WorkerInfo
 from ._seed import seed_global_rng
 from .batchify import plan_batch
-from ._transport import SegmentCache, dumps_handle, pack_batch, unlink_prefix
+from ._transport import SegmentCache, dumps_handle, pack_batch, unlink_prefix, unlink_segment
 
 __all__ = ["PoolSpec", "STATUS_FIELDS", "STATUS_ROWS_PER_WORKER", "initialize_worker", "run_batch",
            "run_stream_batch"]
@@ -110,6 +110,15 @@ def _watch_parent(parent: int, main_pid: int, shm_prefix: str) -> None:
         if _is_orphaned(parent, main_pid):
             unlink_prefix(shm_prefix)
             os._exit(0)
+
+
+def discard_created_segment(name: str) -> None:
+    """Unmap and remove a segment this worker created but never handed over (it still owns it).
+
+    Exactly that name: other segments' names may extend it (`..._w12_1` and `..._w12_10`).
+    """
+    _CACHE.forget(name)
+    unlink_segment(name)
 
 
 def _keep_freed_memory() -> None:
@@ -293,8 +302,7 @@ def run_batch(loader_id: int, epoch: int, batch_index: int, seed: int, indices: 
         return dumps_handle(message)
     except Exception as exc:  # a non-tensor part of the batch cannot be pickled, even by dill
         if message[0] == "ok" and message[1][2]:
-            _CACHE.forget(message[1][0])
-            unlink_prefix(message[1][0])  # this worker created it and still owns it
+            discard_created_segment(message[1][0])
         text = traceback.format_exc()
         return dumps_handle(_error_message(exc, text, "the batch could not be pickled for the caller",
                                            batch_index, None, False))

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _pool
 from ._device import DevicePipeline, PinThread, warn_if_cannot_pin
-from ._dispatch import SHARD_DONE, BatchTimeoutError, Dispatcher, EpochRun
+from ._dispatch import BatchTimeoutError, Dispatcher, EpochRun, ShardDone
 from ._options import Options, check_last_batch, check_positive_int, validate_options
 from ._payload import build_payload
 from ._pool import PoolCore, WorkerExitedError, WorkerPool
@@ -236,14 +236,16 @@ class DataLoader:
         state = self._batch_sampler.state_dict() if hasattr(self._batch_sampler, "state_dict") else None
         length = len(self._batch_sampler) if hasattr(self._batch_sampler, "__len__") else -1
         skip, self._resume_skip = self._resume_skip, 0
-        batches = enumerate(iter(self._batch_sampler))
-        for _ in range(skip):
-            next(batches, None)
-        run = EpochRun(self._next_epoch, length, state, batches, skipped=skip, yielded=skip)
+        stream = None
         if self._is_stream and self._options.num_workers > 0:
-            # Workers form the batches from their own shards; the run just counts tasks.
-            run.batches = ((i, []) for i in itertools.count())
-            run.stream = (self._batch_sampler.batch_size, self._batch_sampler.keep_last)
+            # Workers form the batches from their own shards; the run just numbers the tasks.
+            batches: Iterator[tuple[int, list[Any]]] = ((i, []) for i in itertools.count())
+            stream = (self._batch_sampler.batch_size, self._batch_sampler.keep_last)
+        else:
+            batches = enumerate(iter(self._batch_sampler))
+            for _ in range(skip):
+                next(batches, None)
+        run = EpochRun(self._next_epoch, length, state, batches, skipped=skip, yielded=skip, stream=stream)
         self._next_epoch += 1
         return run
 
@@ -279,7 +281,7 @@ class DataLoader:
             except (WorkerExitedError, BatchTimeoutError):
                 self._stop_runtime()
                 raise
-            if not isinstance(batch, SHARD_DONE):
+            if not isinstance(batch, ShardDone):
                 self._stats.record(run.number, *runtime.dispatcher.last_timings)
                 self._fill(runtime.dispatcher)
                 return batch

@@ -163,3 +163,23 @@ def test_small_dev_shm_warns_at_the_first_batch_naming_sizes_and_fix(monkeypatch
     with DataLoader(np.zeros((64, 1024), np.float32), batch_size=16, num_workers=1) as loader:
         with pytest.warns(ResourceWarning, match=r"/dev/shm has 0 MiB free.*needs about .* MiB.*--shm-size"):
             next(iter(loader))
+
+
+def test_worker_discards_only_its_own_segment_not_those_whose_names_extend_it() -> None:
+    from gloader._worker import discard_created_segment
+
+    base = f"gltest{os.getpid()}_w1_1"
+    created = []
+    try:
+        for name in (base, base + "0", base + "1"):  # ..._1, ..._10, ..._11
+            fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.close(fd)
+            created.append(name)
+        discard_created_segment(base)
+        assert sorted(shm_entries(f"gltest{os.getpid()}_w1_")) == [base + "0", base + "1"]
+    finally:
+        for name in created:
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
