@@ -87,7 +87,8 @@ class EpochRun:
     batches: Iterator[tuple[int, list[int]]]
     skipped: int = 0
     yielded: int = 0
-    exhausted: bool = False
+    exhausted: bool = False  # every batch of the epoch was dispatched (or loaded in-process)
+    finished: bool = False  # the caller's iterator reached the epoch's end
     pending: collections.deque[Task] = dataclasses.field(default_factory=collections.deque)
     stream: tuple[int, bool] | None = None  # (batch size, keep last) for an IterableDataset
     shards_done: set[int] = dataclasses.field(default_factory=set)

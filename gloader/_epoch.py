@@ -77,6 +77,7 @@ class BatchIterator:
         try:
             batch = self._next_batch()
         except StopIteration:
+            self._run.finished = True
             if self._bar is not None:
                 self._bar.close(self._wait_fraction())
                 self._bar = None

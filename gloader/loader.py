@@ -155,7 +155,11 @@ class DataLoader:
         self._base_seed = seed if seed is not None else draw_base_seed()
         self._next_epoch = 0
         self._resume_skip = 0
+        # _current: the run being dispatched (its batches may all be fetched, by the pin thread
+        # or the device stage, before the caller has them); _served: the run the caller's
+        # latest iterator hands out, which is what state_dict and len describe.
         self._current: EpochRun | None = None
+        self._served: EpochRun | None = None
         self._upcoming: EpochRun | None = None
         self._device = DevicePipeline(self._options.device) if self._options.device is not None else None
         self._pinner: PinThread | None = None
@@ -218,7 +222,7 @@ class DataLoader:
             self._abandon(self._current)
         self._stop_pinner()
         run, self._upcoming = self._upcoming or self._new_run(), None
-        self._current = run
+        self._current = self._served = run
         iterator = BatchIterator(self, run)
         if self._options.pin_memory:
             self._pinner = PinThread(iterator, self._options.pin_device_id, self._options.timeout_s)
@@ -227,7 +231,7 @@ class DataLoader:
     def __len__(self) -> int:
         if self._is_stream:
             raise TypeError("a DataLoader over an IterableDataset has no length: the stream decides when it ends")
-        run = self._current if self._current is not None else self._upcoming
+        run = self._served if self._served is not None and not self._served.finished else self._upcoming
         if run is not None:
             return run.length - run.skipped
         return len(self._batch_sampler) - self._resume_skip
@@ -388,12 +392,14 @@ class DataLoader:
         if self._is_stream:
             raise TypeError("state_dict needs a map-style dataset; an IterableDataset stream has no "
                             "positions to resume from")
-        run = self._current
-        if run is not None and 0 <= run.length <= run.yielded:
-            if not run.exhausted and self._pinner is None:
-                for _ in run.batches:  # the caller has every batch: move the sampler past the end
-                    pass
-                run.exhausted = True
+        run = self._served
+        if run is None or run.finished or 0 <= run.length <= run.yielded:
+            if run is not None:
+                self._stop_pinner()  # the caller has every batch; the thread could only fetch the end
+                if not run.exhausted:
+                    for _ in run.batches:  # move the sampler past the end, as finishing the epoch would
+                        pass
+                    run.exhausted = True
             run = self._upcoming
         if run is not None:
             return {"epoch": run.number, "batches_yielded": run.yielded, "sampler": run.sampler_state,
@@ -415,7 +421,7 @@ class DataLoader:
         for run in (self._current, self._upcoming):
             if run is not None:
                 self._abandon(run)
-        self._current = self._upcoming = None
+        self._current = self._served = self._upcoming = None
         if state["sampler"] is not None and hasattr(self._batch_sampler, "load_state_dict"):
             self._batch_sampler.load_state_dict(state["sampler"])
         self._next_epoch = int(state["epoch"])
@@ -432,7 +438,7 @@ class DataLoader:
         for run in (self._current, self._upcoming):
             if run is not None:
                 self._abandon(run)
-        self._current = self._upcoming = None
+        self._current = self._served = self._upcoming = None
         self._finalizer.detach()
         self._resources.close()
 

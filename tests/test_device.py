@@ -3,6 +3,7 @@ then a no-op), so its ordering, errors, resume and shutdown are tested everywher
 behaviour itself is behind the `cuda` marker."""
 from __future__ import annotations
 
+import time
 import warnings
 
 import numpy as np
@@ -17,10 +18,10 @@ pytestmark = pytest.mark.timeout(60)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _pinned_loader(dataset, **kwargs) -> DataLoader:
+def _pinned_loader(dataset, pin_memory: bool = True, **kwargs) -> DataLoader:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # no CUDA here: pinning is a no-op
-        return DataLoader(dataset, pin_memory=True, **kwargs)
+        return DataLoader(dataset, pin_memory=pin_memory, **kwargs)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
@@ -103,3 +104,75 @@ def test_device_batches_are_safe_to_use_on_the_current_stream() -> None:
                     pin_memory=True, device="cuda:0") as loader:
         total = sum(float((b * 2).sum()) for b in loader)
     assert total == float(np.arange(4096, dtype=np.float64).sum() * 2)
+
+
+class _RecordingStage:
+    """Stands in for the CUDA stage so its ordering runs on any machine: `to_device` and
+    `hand_over` log which batch they see, in the order the loader calls them."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def to_device(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self.log.append(("copy", int(batch[0])))
+        return batch.clone(), int(batch[0])
+
+    def hand_over(self, moved: torch.Tensor, first: int) -> torch.Tensor:
+        self.log.append(("hand", first))
+        return moved
+
+
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_device_stage_copies_one_batch_ahead_and_counts_only_handed_batches(pin_memory: bool) -> None:
+    with _pinned_loader(np.arange(16), batch_size=4, num_workers=2, pin_memory=pin_memory) as loader:
+        stage = loader._device = _RecordingStage()  # type: ignore[assignment]
+        it = iter(loader)
+        assert next(it).tolist() == [0, 1, 2, 3]
+        assert stage.log == [("copy", 0), ("copy", 4), ("hand", 0)]  # batch 1 started before 0 is handed
+        state = loader.state_dict()
+        assert state["batches_yielded"] == 1  # batch 1 is on its way, not in the caller's hands
+        assert torch.cat(list(it)).tolist() == list(range(4, 16))
+        assert stage.log[3:] == [("copy", 8), ("hand", 4), ("copy", 12), ("hand", 8), ("hand", 12)]
+        loader.load_state_dict(state)
+        stage.log.clear()
+        assert torch.cat(list(loader)).tolist() == list(range(4, 16))
+        assert [k for k, _ in stage.log].count("hand") == 3
+
+
+def test_device_stage_raises_a_failed_batch_at_its_own_turn() -> None:
+    with DataLoader(_data.RaisesAt(5, length=16), batch_size=4, num_workers=2) as loader:
+        stage = loader._device = _RecordingStage()  # type: ignore[assignment]
+        it = iter(loader)
+        assert next(it).flatten().tolist() == [0, 1, 2, 3]  # batch 1 already failed, one ahead
+        with pytest.raises(_data.CustomLookupError):
+            next(it)
+        assert torch.cat(list(it)).flatten().tolist() == list(range(8, 16))
+    assert ("copy", 4) not in stage.log
+
+
+def test_pin_thread_leaves_the_callers_torch_threads_alone() -> None:
+    before = torch.get_num_threads()
+    with _pinned_loader(np.arange(32), batch_size=4, num_workers=2) as loader:
+        assert len(list(loader)) == 8
+        assert torch.get_num_threads() == before
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_state_and_len_describe_the_callers_epoch_after_the_pin_thread_fetched_its_end() -> None:
+    with _pinned_loader(np.arange(12), batch_size=4, num_workers=2) as loader:
+        it = iter(loader)
+        assert next(it).tolist() == [0, 1, 2, 3]
+        _wait_until(lambda: loader._current is None)  # the pin thread has fetched the whole epoch
+        state = loader.state_dict()
+        assert (state["epoch"], state["batches_yielded"], len(loader)) == (0, 1, 3)
+        assert torch.cat(list(it)).tolist() == list(range(4, 12))
+        assert (loader.state_dict()["epoch"], loader.state_dict()["batches_yielded"]) == (1, 0)
+    with _pinned_loader(np.arange(12), batch_size=4, num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        assert torch.cat(list(resumed)).tolist() == list(range(4, 12))

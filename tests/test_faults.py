@@ -53,6 +53,8 @@ def _check_dead_worker_report(loader: DataLoader, says: str) -> None:
     message = str(info.value)
     assert "pid" in message and any(str(pid) in message for pid in pids)
     assert "batch 5 of epoch 0" in message
+    # Where the caller stands survives the pool's shutdown: resuming goes on after the lost batch.
+    assert {k: loader.state_dict()[k] for k in ("epoch", "batches_yielded")} == {"epoch": 0, "batches_yielded": 6}
     # The pool was shut down; the next epoch starts a fresh one and still works up to the bad sample.
     assert loader.worker_pids() == []
     batches = []
