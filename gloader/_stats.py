@@ -7,11 +7,23 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["EpochStats", "PipelineStats", "ProgressBar"]
+__all__ = ["EpochStats", "PipelineStats", "ProgressBar", "write_status"]
 
-# Shortest interval between two redraws of the progress bar. Shorter: smoother; longer:
-# less terminal output (and less time spent writing it).
+# Shortest interval between two redraws of the progress bar on a terminal. Shorter: smoother;
+# longer: less terminal output (and less time spent writing it).
 _REDRAW_S = 0.1
+# The same when stderr is a file or a pipe (CI logs, nohup), where each redraw is a new line.
+_LOG_EVERY_S = 10.0
+
+
+def write_status(text: str, last: bool) -> None:
+    """Show a status line on stderr: redrawn in place on a terminal, one line each elsewhere
+    (carriage returns would pile up in a log file)."""
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + text + ("\n" if last else ""))
+    else:
+        sys.stderr.write(text.rstrip() + "\n")
+    sys.stderr.flush()
 
 
 @dataclasses.dataclass
@@ -76,20 +88,19 @@ class ProgressBar:
         self._done = 0
         self._started = time.perf_counter()
         self._drawn = 0.0
+        self._every_s = _REDRAW_S if sys.stderr.isatty() else _LOG_EVERY_S
 
     def update(self, waited_fraction: float) -> None:
         self._done += 1
         now = time.perf_counter()
-        if now - self._drawn >= _REDRAW_S or self._done == self._total:
+        if now - self._drawn >= self._every_s:
             self._drawn = now
-            self._draw(now, waited_fraction)
+            self._draw(now, waited_fraction, last=False)
 
     def close(self, waited_fraction: float) -> None:
-        self._draw(time.perf_counter(), waited_fraction)
-        sys.stderr.write("\n")
-        sys.stderr.flush()
+        self._draw(time.perf_counter(), waited_fraction, last=True)
 
-    def _draw(self, now: float, waited_fraction: float) -> None:
+    def _draw(self, now: float, waited_fraction: float, last: bool) -> None:
         rate = self._done / max(now - self._started, 1e-9)
         if self._total:
             width = 24
@@ -97,5 +108,4 @@ class ProgressBar:
             bar = f"[{'#' * filled}{'.' * (width - filled)}] {self._done}/{self._total}"
         else:
             bar = f"{self._done} batches"
-        sys.stderr.write(f"\repoch {self._epoch} {bar} {rate:.1f} batches/s, waited {waited_fraction:.0%}")
-        sys.stderr.flush()
+        write_status(f"epoch {self._epoch} {bar} {rate:.1f} batches/s, waited {waited_fraction:.0%}", last)

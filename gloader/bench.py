@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 import gloader
+from gloader._stats import write_status
 
 __all__ = ["main"]
 
@@ -144,10 +145,8 @@ class _Progress:
         self.done += 1
         width = 30
         filled = width * self.done // self.total
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label:<40}")
-        sys.stderr.flush()
-        if self.done == self.total:
-            sys.stderr.write("\n")
+        write_status(f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label:<40}",
+                     last=self.done == self.total)
 
 
 def _summary(values: list[float]) -> str:

@@ -40,3 +40,4 @@ def test_progress_bar_reports_batches_and_rate(capsys: pytest.CaptureFixture[str
         list(loader)
     err = capsys.readouterr().err
     assert "epoch 0" in err and "10/10" in err and "batches/s" in err and "waited" in err
+    assert "\r" not in err and err.endswith("\n")  # captured stderr is no terminal: whole lines only
