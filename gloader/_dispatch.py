@@ -148,8 +148,8 @@ class Dispatcher:
         self._in_flight = 0
         self._discarded: list[Task] = []
         self._outstanding: set[Task] = set()  # submitted and not yet collected or reaped
-        # Timings of the last collected batch: waited, worker fetch, worker batchify, hand-over.
-        self.last_timings = (0.0, 0.0, 0.0, 0.0)
+        # Timings of the last collected batch: worker fetch, worker batchify, hand-over.
+        self.last_timings = (0.0, 0.0, 0.0)
 
     @property
     def has_room(self) -> bool:
@@ -212,7 +212,7 @@ class Dispatcher:
             if payload[0] is not None:
                 self._slots.warn_if_shm_small(payload[1], self._prefetch + 2)  # checks once per loader
             batch = self._slots.rebuild(payload)
-        self.last_timings = (ready - started, fetch_s, batchify_s, time.perf_counter() - ready)
+        self.last_timings = (fetch_s, batchify_s, time.perf_counter() - ready)
         return batch
 
     def _check(self, task: Task, started: float, deadline: float) -> None:

@@ -6,6 +6,7 @@ Runs in the caller's process. The whole flow is drawn in `_dispatch`.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ._dispatch import EpochRun
@@ -74,6 +75,7 @@ class BatchIterator:
         return self.fetch()
 
     def __next__(self) -> Any:
+        asked = time.perf_counter()
         try:
             batch = self._next_batch()
         except StopIteration:
@@ -86,13 +88,13 @@ class BatchIterator:
             self._run.yielded += 1  # a batch that raised is consumed: resume starts after it
             raise
         self._run.yielded += 1
+        self._loader._stats.record_wait(self._run.number, asked, time.perf_counter() - asked)
         if self._bar is not None:
             self._bar.update(self._wait_fraction())
         return batch
 
     def _wait_fraction(self) -> float:
-        stats = self._loader._stats.epochs.get(self._run.number)
-        return stats.as_dict()["wait_fraction"] if stats is not None else 0.0
+        return self._loader._stats.wait_fraction(self._run.number)
 
     def _next_batch(self) -> Any:
         device = self._loader._device

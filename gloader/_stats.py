@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 from typing import Any
 
@@ -47,25 +48,46 @@ class EpochStats:
 
 
 class PipelineStats:
-    """Per-epoch and overall timings of a loader."""
+    """Per-epoch and overall timings of a loader. The work is recorded where a batch is
+    fetched (the pin thread, when there is one), the wait where the caller waits; hence the lock."""
 
     def __init__(self) -> None:
         self.epochs: dict[int, EpochStats] = {}
+        self._lock = threading.Lock()
 
-    def record(self, epoch: int, waited_s: float, fetch_s: float, batchify_s: float, handover_s: float) -> None:
-        """Add one batch's timings to `epoch`."""
-        now = time.perf_counter()
+    def _epoch(self, epoch: int, started: float) -> EpochStats:
         stats = self.epochs.get(epoch)
         if stats is None:
-            stats = self.epochs[epoch] = EpochStats(started=now - waited_s)
-        stats.batches += 1
-        stats.waited_s += waited_s
-        stats.fetch_s += fetch_s
-        stats.batchify_s += batchify_s
-        stats.handover_s += handover_s
-        stats.last = now
+            stats = self.epochs[epoch] = EpochStats(started=started)
+        return stats
+
+    def record_work(self, epoch: int, fetch_s: float, batchify_s: float, handover_s: float) -> None:
+        """Add the loading time of one batch of `epoch`."""
+        with self._lock:
+            stats = self._epoch(epoch, time.perf_counter())
+            stats.fetch_s += fetch_s
+            stats.batchify_s += batchify_s
+            stats.handover_s += handover_s
+
+    def record_wait(self, epoch: int, asked: float, waited_s: float) -> None:
+        """Count a batch handed to the caller, who asked for it at `asked` and waited `waited_s`."""
+        with self._lock:
+            stats = self._epoch(epoch, asked)
+            stats.started = min(stats.started, asked)
+            stats.batches += 1
+            stats.waited_s += waited_s
+            stats.last = asked + waited_s
+
+    def wait_fraction(self, epoch: int) -> float:
+        with self._lock:
+            stats = self.epochs.get(epoch)
+            return stats.as_dict()["wait_fraction"] if stats is not None else 0.0
 
     def snapshot(self, in_flight: int, shared_memory_bytes: int) -> dict[str, Any]:
+        with self._lock:
+            return self._snapshot(in_flight, shared_memory_bytes)
+
+    def _snapshot(self, in_flight: int, shared_memory_bytes: int) -> dict[str, Any]:
         total = EpochStats()
         for stats in self.epochs.values():
             for field in ("batches", "waited_s", "fetch_s", "batchify_s", "handover_s"):

@@ -286,7 +286,7 @@ class DataLoader:
                 self._stop_runtime()
                 raise
             if not isinstance(batch, ShardDone):
-                self._stats.record(run.number, *runtime.dispatcher.last_timings)
+                self._stats.record_work(run.number, *runtime.dispatcher.last_timings)
                 self._fill(runtime.dispatcher)
                 return batch
             run.shards_done.add(batch.worker_id)  # a stream worker's shard is exhausted
@@ -324,7 +324,7 @@ class DataLoader:
         started = time.perf_counter()
         if self._is_stream:  # the "indices" are the samples themselves
             batch = arrays_to_tensors(self._batchify_fn(indices))
-            self._stats.record(epoch, time.perf_counter() - started, 0.0, time.perf_counter() - started, 0.0)
+            self._stats.record_work(epoch, 0.0, time.perf_counter() - started, 0.0)
             return batch
         position = None
         try:
@@ -335,7 +335,7 @@ class DataLoader:
             fetched = time.perf_counter()
             batch = arrays_to_tensors(self._batchify_fn(samples))
             done = time.perf_counter()
-            self._stats.record(epoch, done - started, fetched - started, done - fetched, 0.0)
+            self._stats.record_work(epoch, fetched - started, done - fetched, 0.0)
             return batch
         except Exception as exc:
             note = f"gloader: raised in the main process while loading batch {index} of epoch {epoch}"

@@ -1,6 +1,9 @@
 """Pipeline visibility: stats() and the progress bar."""
 from __future__ import annotations
 
+import time
+import warnings
+
 import numpy as np
 import pytest
 
@@ -41,3 +44,18 @@ def test_progress_bar_reports_batches_and_rate(capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err
     assert "epoch 0" in err and "10/10" in err and "batches/s" in err and "waited" in err
     assert "\r" not in err and err.endswith("\n")  # captured stderr is no terminal: whole lines only
+
+
+def test_stats_count_what_the_caller_got_while_the_pin_thread_runs_ahead() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # without CUDA pinning is a no-op; the thread still runs
+        loader = DataLoader(np.arange(64), batch_size=4, num_workers=2, pin_memory=True)
+    with loader:
+        it = iter(loader)
+        next(it), next(it)
+        deadline = time.monotonic() + 10
+        while not loader._pinner._queue.full():  # the thread has fetched batches the caller has not
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        epoch = loader.stats()["epochs"][0]
+    assert epoch["batches"] == 2 and 0 <= epoch["wait_fraction"] <= 1.0 + 1e-6
