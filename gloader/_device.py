@@ -40,12 +40,15 @@ def warn_if_cannot_pin() -> None:
                       "ordinary (pageable) memory", RuntimeWarning, stacklevel=3)
 
 
-def pin_batch(batch: Any, device_id: int) -> Any:
-    """Return `batch` with every tensor in page-locked memory (unchanged without CUDA)."""
+def pin_batch(batch: Any) -> Any:
+    """Return `batch` with every tensor in page-locked memory (unchanged without CUDA).
+
+    The memory is pinned for the calling thread's current CUDA device (the pin thread sets
+    it to `pin_device_id`); torch deprecated naming the device in `Tensor.pin_memory`.
+    """
     if not torch.cuda.is_available():
         return batch
-    device = torch.device("cuda", device_id)
-    return map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(device), batch)
+    return map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
 
 
 class DevicePipeline:
@@ -121,12 +124,18 @@ class PinThread:
         import torch
 
         torch.set_num_threads(1)  # pinning is a copy; intra-op threads would only contend
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(device_id)  # this thread's device: where its pinned memory belongs
+        except Exception as exc:  # the caller raises it for its next batch rather than seeing an empty epoch
+            self._put(_Failure(exc))
+            return
         while not self._stopping.is_set():
             iterator = self._iterator()
             if iterator is None:
                 return
             try:
-                item: Any = pin_batch(iterator.fetch(), device_id)
+                item: Any = pin_batch(iterator.fetch())
             except StopIteration:
                 item = _DONE
             except BaseException as exc:  # the caller re-raises it at this batch's turn

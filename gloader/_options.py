@@ -78,7 +78,16 @@ def _check_device(device: Any) -> torch.device | None:
                          "use device=None (or 'cpu') to keep batches on the host")
     if dev.type != "cuda":
         raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
-    return dev
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    _check_cuda_index("device", device, index)
+    return torch.device("cuda", index)
+
+
+def _check_cuda_index(name: str, value: Any, index: int) -> None:
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"{name}={value!r} names CUDA device {index}, but this machine has {count} "
+                         f"(indices 0 to {count - 1})")
 
 
 def validate_options(*, num_workers: Any, prefetch: Any, thread_pool: Any, timeout: Any,
@@ -107,6 +116,8 @@ def validate_options(*, num_workers: Any, prefetch: Any, thread_pool: Any, timeo
     if seed is not None and seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     pin_id = _check_non_negative_int("pin_device_id", pin_device_id)
+    if pin_memory and torch.cuda.is_available():
+        _check_cuda_index("pin_device_id", pin_device_id, pin_id)
     return Options(num_workers=workers, prefetch=depth, thread_pool=bool(thread_pool),
                    timeout_s=float(timeout), pin_memory=bool(pin_memory), pin_device_id=pin_id,
                    device=_check_device(device), start_method=start_method,

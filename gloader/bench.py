@@ -286,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small run, under a minute")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (needs W1-W4)")
-    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W4)")
+    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W7; W7 needs CUDA and runs only when named)")
     args = parser.parse_args(argv)
-    rounds = args.rounds or (3 if args.quick else 5)
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     if rounds < 1:
         parser.error(f"--rounds must be >= 1, got {rounds}")
     if args.plot:

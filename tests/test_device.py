@@ -176,3 +176,55 @@ def test_state_and_len_describe_the_callers_epoch_after_the_pin_thread_fetched_i
     with _pinned_loader(np.arange(12), batch_size=4, num_workers=2) as resumed:
         resumed.load_state_dict(state)
         assert torch.cat(list(resumed)).tolist() == list(range(4, 12))
+
+
+class _PinRecorder:
+    """Stands in for CUDA's pinning so the pin thread's calls can be checked on any machine."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, device_count: int = 2) -> None:
+        self.devices: list[tuple[str, int]] = []
+        self.pinned = 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: device_count)
+        monkeypatch.setattr(torch.cuda, "set_device", self._set_device)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t, *a: False)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *args: self._pin(t, *args))
+
+    def _set_device(self, index: int) -> None:
+        import threading
+
+        self.devices.append((threading.current_thread().name, index))
+
+    def _pin(self, tensor: torch.Tensor, *args: object) -> torch.Tensor:
+        assert not args, "Tensor.pin_memory(device) is deprecated; the thread's device decides"
+        self.pinned += 1
+        return tensor.clone()
+
+
+def test_pin_thread_pins_every_tensor_for_pin_device_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    pins = _PinRecorder(monkeypatch)
+    with DataLoader(_data.Records(), batch_size=4, num_workers=0, pin_memory=True, pin_device_id=1) as loader:
+        batches = list(loader)
+    assert pins.devices == [("gloader-pin", 1)]  # set once, in the pin thread, not in the caller
+    tensors_per_batch = 6  # x, label, weight, flag and both of pair; the names pass through
+    assert pins.pinned == tensors_per_batch * len(batches) and batches[0]["name"][0] == "item0"
+
+
+def test_cuda_indices_beyond_the_machine_are_rejected_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    _PinRecorder(monkeypatch, device_count=2)
+    with pytest.raises(ValueError, match=r"pin_device_id=2 names CUDA device 2, but this machine has 2 \(indices 0 to 1\)"):
+        DataLoader(np.arange(4), pin_memory=True, pin_device_id=2)
+    with pytest.raises(ValueError, match=r"device='cuda:5' names CUDA device 5, but this machine has 2"):
+        DataLoader(np.arange(4), device="cuda:5")
+
+
+def test_a_pin_thread_that_cannot_select_its_device_fails_the_next_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    _PinRecorder(monkeypatch)
+
+    def broken(index: int) -> None:
+        raise RuntimeError(f"CUDA error: device {index} is busy or unavailable")
+
+    monkeypatch.setattr(torch.cuda, "set_device", broken)
+    with DataLoader(np.arange(8), batch_size=4, pin_memory=True, pin_device_id=1) as loader:
+        with pytest.raises(RuntimeError, match="device 1 is busy"):
+            next(iter(loader))

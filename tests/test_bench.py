@@ -1,0 +1,51 @@
+"""The benchmark's command line: it runs, reports side-by-side ratios that agree with its own
+figures, and rejects bad arguments. Speed itself is measured by running it, not here."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gloader import bench
+from gloader.bench_device import report_device
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _median(cell: str) -> float:
+    return float(cell.strip().strip("*").split("(")[0])
+
+
+def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
+    done = subprocess.run([sys.executable, "-m", "gloader.bench", "--quick", "--rounds", "1", "--workloads", "W1,W7"],
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| W1"))
+    cells = row.strip("|").split("|")
+    gl, th, ratio = _median(cells[1]), _median(cells[2]), _median(cells[5].rstrip("x* "))
+    assert gl > 0 and th > 0 and ratio == pytest.approx(gl / th, rel=0.01)
+    assert "W2" not in done.stdout and "W5" not in done.stdout  # only what was asked for
+    if not torch.cuda.is_available():
+        assert "W7 host-to-device: skipped (no CUDA device)" in done.stdout
+    else:
+        assert "| W7 W2 batches to " in done.stdout and "| pin_memory + device |" in done.stdout
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--workloads", "W1,W9"], r"--workloads takes W1 to W7; got \['W9'\]"),
+    (["--workloads", "W1", "--plot", "x.png"], "--plot needs W1, W2, W3 and W4"),
+])
+def test_bad_arguments_exit_with_a_message(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2 and re.search(says, capsys.readouterr().err)
+
+
+def test_device_report_gives_medians_and_the_median_ratio() -> None:
+    lines = report_device({"W7": {"device": "GPU X", "gloader": [10.0, 12.0, 11.0], "torch": [5.0, 4.0, 5.5]}})
+    assert lines[1].startswith("| W7 W2 batches to GPU X |")
+    assert lines[3] == "| pin_memory + device | 11.00 (10.00-12.00) | 5.00 (4.00-5.50) | 2.00x |"  # ratios 2, 3, 2
