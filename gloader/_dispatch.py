@@ -12,12 +12,14 @@ The whole flow, with who runs each step::
     ... up to `prefetch` tasks in flight, across the end of an epoch into the next ...
     wait for the oldest task (in short slices: check worker exit codes, the timeout)
     SlotPool.rebuild(handle) -> tensors viewing the slot (zero copy)
-    [pin memory] -> [copy to device on a side stream]   (_device)
-    -> the user; the slot is free again when the batch's last tensor is freed
+    [pin memory, in the caller's pin thread] -> [copy to device on a side stream]   (_device)
+    -> the user's iterator (_epoch), which counts what it hands over (state_dict, stats);
+    the slot is free again when the batch's last tensor is freed
 
 Thread workers skip the slots: they share the caller's memory and return the batch itself.
 `_pool` owns the workers and their supervision, `_transport` the slots, `_worker` the task,
-`_registry` the per-loader state inside workers, `loader` the epochs and the public API.
+`_registry` the per-loader state inside workers, `_runtime` a loader's running parts and their
+release, `loader` the epochs and the public API.
 """
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ data flow below it is drawn in `_dispatch`.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 import weakref
 from typing import Any, Callable, Iterator
@@ -18,11 +17,11 @@ from ._device import DevicePipeline, PinThread, warn_if_cannot_pin
 from ._dispatch import BatchTimeoutError, Dispatcher, EpochRun, ShardDone
 from ._options import Options, check_last_batch, check_positive_int, validate_options
 from ._payload import build_payload
-from ._pool import PoolCore, WorkerExitedError, WorkerPool
+from ._pool import WorkerExitedError, WorkerPool
+from ._runtime import Resources, Runtime, start_runtime
 from ._epoch import BatchIterator, StreamBatches
 from ._stats import PipelineStats
 from ._seed import derive_batch_seed, draw_base_seed, preserved_global_rng, seed_global_rng
-from ._transport import SlotPool
 from ._tree import arrays_to_tensors
 from .batchify import default_batchify_fn
 from .dataset import IterableDataset
@@ -32,61 +31,6 @@ __all__ = ["DataLoader"]
 
 _LOADER_IDS = itertools.count(1)
 _STATE_KEYS = ("epoch", "batches_yielded", "sampler", "seed")
-# Deadline for a loader leaving a shared pool to see its batches in flight finish, so that
-# nothing it owns is written after it has released its shared memory.
-_LEAVE_SHARED_POOL_S = 5.0
-# Free shared-memory slots a loader keeps mapped beyond those in flight and those the caller
-# holds. Two cover the batch being handed over and the one the caller just dropped. Larger:
-# fewer new segments after the caller holds a burst of batches; smaller: less idle memory.
-_SPARE_SLOTS = 2
-
-
-class _Runtime:
-    """A loader's running parts: pool (owned or shared), slots and dispatcher."""
-
-    def __init__(self, core: PoolCore, owns_core: bool, slots: SlotPool | None, dispatcher: Dispatcher,
-                 loader_id: int) -> None:
-        self.core = core
-        self.owns_core = owns_core
-        self.slots = slots
-        self.dispatcher = dispatcher
-        self.loader_id = loader_id
-
-    def close(self) -> None:
-        if self.owns_core:
-            self.core.close()
-        else:
-            self.dispatcher.drain(_LEAVE_SHARED_POOL_S)
-            self.core.announce_departure(self.loader_id)
-        if self.core.is_thread:
-            # Thread workers share this process's registry: drop the dataset here and now.
-            from ._registry import unregister_loader
-
-            unregister_loader(self.loader_id)
-        if self.slots is not None:
-            self.slots.close()
-
-
-class _Resources:
-    """What the loader's finalizer and the exit hook release; holds no reference to the loader."""
-
-    def __init__(self) -> None:
-        self.runtime: _Runtime | None = None
-
-    def close(self) -> None:
-        runtime, self.runtime = self.runtime, None
-        if runtime is not None:
-            runtime.close()
-
-    def close_from_gc(self) -> None:
-        if self.runtime is not None:
-            import warnings
-
-            warnings.warn("a gloader DataLoader with running workers was garbage-collected without close(); "
-                          "use `with DataLoader(...) as loader:` or call loader.close()", ResourceWarning)
-        self.close()
-
-
 class DataLoader:
     """Loads batches from a dataset, in-process or on a persistent pool of workers.
 
@@ -125,7 +69,7 @@ class DataLoader:
                  thread_pool: bool = False, timeout: float = 120, *, device: Any = None,
                  worker_init_fn: Callable[[int], None] | None = None, seed: int | None = None,
                  start_method: str | None = None, pool: WorkerPool | None = None, progress: bool = False) -> None:
-        self._resources = _Resources()
+        self._resources = Resources()
         self._finalizer = weakref.finalize(self, self._resources.close_from_gc)
         self._closed = False
         if pool is not None:
@@ -344,28 +288,10 @@ class DataLoader:
 
     # ---- workers ------------------------------------------------------------------------
 
-    def _ensure_runtime(self) -> _Runtime:
-        runtime = self._resources.runtime
-        if runtime is not None:
-            return runtime
-        import multiprocess
-
-        opts = self._options
-        start_method = multiprocess.get_context(opts.start_method).get_start_method()
-        if self._pool is not None:
-            core = self._pool.core
-            prefix = f"{self._pool.shm_prefix}{self._id}_"
-            core.publish_payload(self._id, self._payload(prefix, pickled=True))
-        else:
-            prefix = f"gl{os.getpid()}_{os.urandom(4).hex()}_{self._id}_"
-            pickled = not opts.thread_pool and start_method != "fork"
-            core = PoolCore(opts.num_workers, opts.thread_pool, opts.start_method, prefix,
-                            [(self._id, self._payload(prefix, pickled))])
-        slots = None if opts.thread_pool else SlotPool(prefix, max_spare=_SPARE_SLOTS)
-        dispatcher = Dispatcher(core, self._id, slots, opts.prefetch, opts.timeout_s)
-        runtime = _Runtime(core, self._pool is None, slots, dispatcher, self._id)
-        self._resources.runtime = runtime
-        return runtime
+    def _ensure_runtime(self) -> Runtime:
+        if self._resources.runtime is None:
+            self._resources.runtime = start_runtime(self._options, self._id, self._pool, self._payload)
+        return self._resources.runtime
 
     def _payload(self, prefix: str, pickled: bool) -> Any:
         return build_payload(self._dataset, self._batchify_fn, self._options.worker_init_fn, self._base_seed,
