@@ -194,24 +194,27 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         from .bench_device import measure_device_transfer
 
         results["W7"] = measure_device_transfer(quick, rounds)
-    if not with_latency:
-        return results
-    # W4: fresh loaders per round, so epoch 1 includes starting the workers.
+    if with_latency:
+        results["W4"] = _measure_latency(rounds, latency_epochs, progress)
+    return results
+
+
+def _measure_latency(rounds: int, epochs: int, progress: _Progress) -> dict[str, Any]:
+    """W4: fresh loaders per round, so epoch 1 includes starting the workers."""
     small = ImageDataset(64 * 12)
     lat: dict[str, list[list[float]]] = {"gloader": [], "torch": []}
     for r in range(rounds):
         for name in (["gloader", "torch"] if r % 2 == 0 else ["torch", "gloader"]):
             loader = _gloader(small, 64) if name == "gloader" else _torch(small, 64)
-            lat[name].append(_first_batch_latency(loader, latency_epochs))
+            lat[name].append(_first_batch_latency(loader, epochs))
             if name == "gloader":
                 loader.close()
             del loader
             progress.step(f"W4 round {r + 1} {name}")
-    results["W4"] = {
+    return {
         "epoch1_ms": {k: [v[0] * 1e3 for v in vals] for k, vals in lat.items()},
         "later_ms": {k: [statistics.median(v[1:]) * 1e3 for v in vals] for k, vals in lat.items()},
     }
-    return results
 
 
 def _run_memory(quick: bool, only: set[str] | None, results: dict[str, Any]) -> None:
