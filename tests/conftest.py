@@ -67,7 +67,8 @@ def _warm_shared_heap() -> None:
     """Start multiprocess's process-wide helpers before the first leak snapshot: the heap
     arena of synchronized values (two fds), the resource tracker (spawn; one pipe) and the
     forkserver (one pipe), and the stdlib's resource tracker that torch.multiprocessing uses.
-    Each is made once per process and reused, never per loader."""
+    Each is made once per process and reused, never per loader. On a GPU machine, also the
+    CUDA context, whose device files stay open for the life of the process."""
     from multiprocessing import resource_tracker as stdlib_tracker
 
     import multiprocess
@@ -77,6 +78,12 @@ def _warm_shared_heap() -> None:
     multiprocess.get_context("fork").Value("i", 0)
     resource_tracker.ensure_running()
     forkserver.ensure_running()
+    import torch
+
+    if torch.cuda.is_available():
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.ones(1).pin_memory().to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
 
 
 @pytest.fixture(autouse=True)
