@@ -3,6 +3,7 @@ loading time go? Runs in the caller's process. The whole flow is drawn in `_disp
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import threading
 import time
@@ -55,16 +56,16 @@ class PipelineStats:
         self.epochs: dict[int, EpochStats] = {}
         self._lock = threading.Lock()
 
-    def _epoch(self, epoch: int, started: float) -> EpochStats:
+    def _epoch(self, epoch: int) -> EpochStats:
         stats = self.epochs.get(epoch)
-        if stats is None:
-            stats = self.epochs[epoch] = EpochStats(started=started)
+        if stats is None:  # the epoch's clock starts when the caller first asks (record_wait)
+            stats = self.epochs[epoch] = EpochStats(started=math.inf)
         return stats
 
     def record_work(self, epoch: int, fetch_s: float, batchify_s: float, handover_s: float) -> None:
         """Add the loading time of one batch of `epoch`."""
         with self._lock:
-            stats = self._epoch(epoch, time.perf_counter())
+            stats = self._epoch(epoch)
             stats.fetch_s += fetch_s
             stats.batchify_s += batchify_s
             stats.handover_s += handover_s
@@ -72,7 +73,7 @@ class PipelineStats:
     def record_wait(self, epoch: int, asked: float, waited_s: float) -> None:
         """Count a batch handed to the caller, who asked for it at `asked` and waited `waited_s`."""
         with self._lock:
-            stats = self._epoch(epoch, asked)
+            stats = self._epoch(epoch)
             stats.started = min(stats.started, asked)
             stats.batches += 1
             stats.waited_s += waited_s

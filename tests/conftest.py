@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import psutil
 import pytest
@@ -37,6 +37,17 @@ def _helper_pids() -> set[int]:
 def shm_entries(prefix: str) -> list[str]:
     """Names in /dev/shm that start with `prefix`."""
     return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float) -> bool:
+    """Poll `condition` until it is true (returns True) or `timeout_s` passes (returns False).
+    For states another thread or process reaches on its own, with nothing to wait on."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def snapshot() -> dict[str, set]:

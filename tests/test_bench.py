@@ -20,14 +20,16 @@ def _median(cell: str) -> float:
 
 
 def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
-    done = subprocess.run([sys.executable, "-m", "gloader.bench", "--quick", "--rounds", "1", "--workloads", "W1,W7"],
+    done = subprocess.run([sys.executable, "-m", "gloader.bench", "--quick", "--rounds", "1", "--workloads", "W1,W4,W7"],
                           capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("| W1"))
     cells = row.strip("|").split("|")
     gl, th, ratio = _median(cells[1]), _median(cells[2]), _median(cells[5].rstrip("x* "))
     assert gl > 0 and th > 0 and ratio == pytest.approx(gl / th, rel=0.01)
-    assert "W2" not in done.stdout and "W5" not in done.stdout  # only what was asked for
+    rows = [line[:5] for line in done.stdout.splitlines()]
+    assert "| W2 " not in rows and "| W5 " not in rows  # only what was asked for
+    assert "| epoch 1 (starts workers) |" in done.stdout and "| epochs 2-5 (median) |" in done.stdout  # W4
     if not torch.cuda.is_available():
         assert "W7 host-to-device: skipped (no CUDA device)" in done.stdout
     else:

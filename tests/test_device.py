@@ -3,7 +3,7 @@ then a no-op), so its ordering, errors, resume and shutdown are tested everywher
 behaviour itself is behind the `cuda` marker."""
 from __future__ import annotations
 
-import time
+import threading
 import warnings
 
 import numpy as np
@@ -13,6 +13,7 @@ import torch
 from gloader import DataLoader
 
 from tests import _data
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -157,18 +158,11 @@ def test_pin_thread_leaves_the_callers_torch_threads_alone() -> None:
         assert torch.get_num_threads() == before
 
 
-def _wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
-
-
 def test_state_and_len_describe_the_callers_epoch_after_the_pin_thread_fetched_its_end() -> None:
     with _pinned_loader(np.arange(12), batch_size=4, num_workers=2) as loader:
         it = iter(loader)
         assert next(it).tolist() == [0, 1, 2, 3]
-        _wait_until(lambda: loader._current is None)  # the pin thread has fetched the whole epoch
+        assert wait_until(lambda: loader._current is None, 10.0)  # the pin thread fetched the whole epoch
         state = loader.state_dict()
         assert (state["epoch"], state["batches_yielded"], len(loader)) == (0, 1, 3)
         assert torch.cat(list(it)).tolist() == list(range(4, 12))
@@ -191,8 +185,6 @@ class _PinRecorder:
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *args: self._pin(t, *args))
 
     def _set_device(self, index: int) -> None:
-        import threading
-
         self.devices.append((threading.current_thread().name, index))
 
     def _pin(self, tensor: torch.Tensor, *args: object) -> torch.Tensor:

@@ -21,7 +21,7 @@ from gloader import DataLoader
 from gloader._dispatch import BatchTimeoutError
 
 from tests import _data
-from tests.conftest import shm_entries
+from tests.conftest import shm_entries, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -185,12 +185,8 @@ def _wait_line(proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
 
 
 def _gone(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
+    return wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                      for p in pids), timeout_s)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -235,10 +231,7 @@ def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path, start_me
         proc.kill()
         proc.wait(10)
     assert _gone(pids, 5.0)
-    deadline = time.monotonic() + 5.0
-    while shm_entries(prefix) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not shm_entries(prefix)
+    assert wait_until(lambda: not shm_entries(prefix), 5.0)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

@@ -1,7 +1,7 @@
 """Pipeline visibility: stats() and the progress bar."""
 from __future__ import annotations
 
-import time
+import sys
 import warnings
 
 import numpy as np
@@ -10,6 +10,7 @@ import pytest
 from gloader import DataLoader
 
 from tests import _data
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,9 +54,15 @@ def test_stats_count_what_the_caller_got_while_the_pin_thread_runs_ahead() -> No
     with loader:
         it = iter(loader)
         next(it), next(it)
-        deadline = time.monotonic() + 10
-        while not loader._pinner._queue.full():  # the thread has fetched batches the caller has not
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        assert wait_until(loader._pinner._queue.full, 10.0)  # the thread fetched batches the caller has not
         epoch = loader.stats()["epochs"][0]
     assert epoch["batches"] == 2 and 0 <= epoch["wait_fraction"] <= 1.0 + 1e-6
+
+
+def test_progress_bar_redraws_in_place_on_a_terminal(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with DataLoader(np.arange(40), batch_size=4, num_workers=2, progress=True) as loader:
+        list(loader)
+    err = capsys.readouterr().err
+    assert err.startswith("\repoch 0") and err.endswith("\n") and err.count("\n") == 1 and "10/10" in err
