@@ -27,6 +27,7 @@ setup(
             "nbformat>=5.9",
             "ipykernel>=6.25",
             "mypy>=1.8",
+            "ruff>=0.4",
             "matplotlib>=3.7",
         ],
         "bench": ["matplotlib>=3.7", "psutil>=5.9"],

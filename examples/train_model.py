@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import torch
 
-import gloader
 from gloader import ArrayDataset, DataLoader, WorkerPool
 
 

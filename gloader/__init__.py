@@ -7,15 +7,16 @@ reused shared memory, which the caller maps without copying.
 """
 from . import batchify, sampler
 from ._pool import WorkerPool
+from ._protocol import BatchTimeoutError, WorkerExitedError
 from ._registry import WorkerInfo, get_worker_info
 from .dataset import ArrayDataset, Dataset, IterableDataset, SimpleDataset
 from .loader import DataLoader
 
-__all__ = ["ArrayDataset", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset", "WorkerInfo",
-           "WorkerPool", "batchify", "get_worker_info", "sampler"]
+__all__ = ["ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset",
+           "WorkerExitedError", "WorkerInfo", "WorkerPool", "batchify", "get_worker_info", "sampler"]
 
-for _name in ("ArrayDataset", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset", "WorkerInfo",
-              "WorkerPool", "get_worker_info"):
+for _name in ("ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset",
+              "WorkerExitedError", "WorkerInfo", "WorkerPool", "get_worker_info"):
     globals()[_name].__module__ = __name__
 del _name
 

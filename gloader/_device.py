@@ -4,7 +4,7 @@ Runs in the caller's process only; workers never touch CUDA (a forked worker can
 CUDA context created before the fork, and spawned ones would each pay for a context).
 `DevicePipeline` copies batch k+1 on a dedicated stream while the caller works on batch k;
 the caller's current stream waits on that copy before the batch is handed over. The whole
-flow is drawn in `_dispatch`.
+flow is drawn in `_engine`.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Under fork (and for thread workers) the objects are inherited as they are. Under
 forkserver, and for loaders joining a running shared pool, each part is pickled with dill
 (so classes and lambdas defined in `__main__` or a notebook travel by value), one part at a
 time, so that a failure names the part and the attribute path that could not be pickled.
-Runs in the caller's process. The whole flow is drawn in `_dispatch`.
+Runs in the caller's process. The whole flow is drawn in `_engine`.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ So the caller asks `find_dead_worker()` whenever a result is late, reading the e
 itself. Shutdown climbs a ladder: ask (close), join with a deadline, terminate, join, kill.
 
 `WorkerPool` is the public pool that several loaders may share; a loader that owns its pool
-uses a `PoolCore` directly. The whole flow is drawn in `_dispatch`.
+uses a `PoolCore` directly. The whole flow is drawn in `_engine`.
 """
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any
 
-from ._options import START_METHODS, check_positive_int
-from ._registry import Payload
+from ._checks import check_positive_int, check_start_method
+from ._protocol import WorkerExitedError
+from ._registry import Payload, register_loader, unregister_loader
 from ._transport import unlink_prefix
-from ._worker import STATUS_FIELDS, STATUS_ROWS_PER_WORKER, PoolSpec, initialize_worker
+from ._worker import PoolSpec, StatusTable, initialize_process_worker, initialize_thread_worker, run_task
 
-__all__ = ["PoolCore", "WorkerExitedError", "WorkerPool", "describe_exit"]
+__all__ = ["PoolCore", "WorkerExitedError", "WorkerPool", "describe_exit", "track"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ def _make_pool_class() -> type:
        stdlib pickler refuses still goes through dill.
     gloader supervises its workers itself (`PoolCore.find_dead_worker`).
     """
+    # Over 40 lines: one class body, built lazily so that importing gloader does not import
+    # multiprocess's pool; its three overrides only make sense read together.
     from multiprocess import pool as mp_pool
 
     class _QuietCache(dict):  # type: ignore[type-arg]
@@ -99,10 +102,6 @@ def _make_pool_class() -> type:
     return _FastPool
 
 
-class WorkerExitedError(RuntimeError):
-    """A worker process died while the loader was running."""
-
-
 _SIGNAL_CAUSES = {
     signal.SIGKILL: "it was killed, most often by the out-of-memory killer (check `dmesg`; lower "
                     "num_workers, prefetch or batch_size, or keep the dataset in numpy arrays)",
@@ -143,31 +142,31 @@ class PoolCore:
 
         self.num_workers = num_workers
         self.is_thread = is_thread
+        self.start_method = start_method
         self.payload_dir = tempfile.mkdtemp(prefix="gloader-payload-")
         self._closed = False
         self._watched: list[Any] = []
         ctx = multiprocess.get_context(start_method)
-        status = None if is_thread else ctx.Array("q", [-1] * (num_workers * STATUS_ROWS_PER_WORKER * STATUS_FIELDS),
-                                                 lock=False)
-        self.spec = PoolSpec(is_thread=is_thread, num_workers=num_workers, counter=ctx.Value("i", 0),
-                             status=status, main_pid=os.getpid(), shm_prefix=shm_prefix,
-                             payload_dir=self.payload_dir, generation=ctx.Value("i", 0),
-                             closing=ctx.Value("i", 0))
+        status = None if is_thread else ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
+        self.status = None if status is None else StatusTable(status, num_workers)
+        self.spec = PoolSpec(num_workers=num_workers, counter=ctx.Value("i", 0), status=status,
+                             main_pid=os.getpid(), shm_prefix=shm_prefix, payload_dir=self.payload_dir,
+                             generation=ctx.Value("i", 0), closing=ctx.Value("i", 0))
         if is_thread:
             from multiprocess.pool import ThreadPool
 
-            self.pool: Any = ThreadPool(num_workers, initializer=initialize_worker,
+            self.pool: Any = ThreadPool(num_workers, initializer=initialize_thread_worker,
                                         initargs=(self.spec, registrations))
         else:
-            self.pool = _make_pool_class()(num_workers, initializer=initialize_worker,
+            self.pool = _make_pool_class()(num_workers, initializer=initialize_process_worker,
                                            initargs=(self.spec, registrations), context=ctx)
             self._watched = list(self.pool._pool)
         logger.debug("started %d %s workers (%s)", num_workers, "thread" if is_thread else "process",
                      start_method or "default start method")
 
-    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """Queue `fn(*args)` on the pool; returns its AsyncResult."""
-        return self.pool.apply_async(fn, args)
+    def submit(self, args: tuple[Any, ...]) -> Any:
+        """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult."""
+        return self.pool.apply_async(run_task, args)
 
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes (empty for threads)."""
@@ -195,33 +194,38 @@ class PoolCore:
         return None
 
     def _has_started(self, pid: int) -> bool:
-        status = self.spec.status
-        return any(status[row * STATUS_FIELDS] == pid for row in range(self.num_workers * STATUS_ROWS_PER_WORKER))
+        return self.status is not None and self.status.has_started(pid)
 
     def _doing(self, pid: int) -> str:
-        status = self.spec.status
-        for row in range(self.num_workers * STATUS_ROWS_PER_WORKER):
-            base = row * STATUS_FIELDS
-            if status[base] == pid and status[base + 3] >= 0:
-                return (f". It was loading batch {status[base + 3]} of epoch {status[base + 2]} "
-                        f"for loader {status[base + 1]}")
-        return ""
+        doing = self.status.doing(pid) if self.status is not None else None
+        if doing is None:
+            return ""
+        loader_id, epoch, batch_index = doing
+        return f". It was loading batch {batch_index} of epoch {epoch} for loader {loader_id}"
 
-    def announce_departure(self, loader_id: int) -> None:
-        """Remove a loader's payload file so that workers drop it at their next task."""
+    def join(self, loader_id: int, payload: Payload) -> None:
+        """Register a loader on the running pool. Thread workers share this process's registry;
+        process workers read the payload file at their first task for the loader."""
+        if self.is_thread:
+            register_loader(loader_id, payload, 0, self.num_workers)
+            return
+        path = os.path.join(self.payload_dir, f"{loader_id}.pkl")
+        with open(path + ".tmp", "wb") as handle:
+            pickle.dump(payload, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(path + ".tmp", path)  # atomic: a worker never reads half a file
+
+    def leave(self, loader_id: int) -> None:
+        """Drop a loader: at once for thread workers, at their next task for process workers
+        (its payload file is gone and the generation moves on)."""
+        if self.is_thread:
+            unregister_loader(loader_id)
+            return
         try:
             os.unlink(os.path.join(self.payload_dir, f"{loader_id}.pkl"))
         except FileNotFoundError:
             return
         with self.spec.generation.get_lock():
             self.spec.generation.value += 1
-
-    def publish_payload(self, loader_id: int, payload: Payload) -> None:
-        """Write a loader's payload where workers of the running pool find it."""
-        path = os.path.join(self.payload_dir, f"{loader_id}.pkl")
-        with open(path + ".tmp", "wb") as handle:
-            pickle.dump(payload, handle, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(path + ".tmp", path)  # atomic: a worker never reads half a file
 
     def close(self) -> None:
         """Stop every worker, climbing the ladder; idempotent, bounded in time."""
@@ -256,7 +260,9 @@ class PoolCore:
         if not _join_all(processes, _ASK_S):
             # The pool would start replacements for the workers stopped below while tasks are
             # pending; tell its maintenance thread to stop first.
-            pool._worker_handler._state = 2  # multiprocess.pool.TERMINATE
+            from multiprocess.pool import TERMINATE
+
+            pool._worker_handler._state = TERMINATE
             alive = [p for p in processes if p.exitcode is None]
             logger.warning("gloader workers %s did not stop within %.1f s; terminating them",
                            [p.pid for p in alive], _ASK_S)
@@ -328,10 +334,8 @@ class WorkerPool:
 
     def __init__(self, num_workers: int, *, thread_pool: bool = False, start_method: str | None = None) -> None:
         self.num_workers = check_positive_int("num_workers", num_workers)
-        if start_method is not None and start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {START_METHODS} or None, got {start_method!r}")
         self.thread_pool = bool(thread_pool)
-        self.start_method = start_method
+        self.start_method = check_start_method(start_method)
         self.shm_prefix = f"gl{os.getpid()}_{os.urandom(4).hex()}_"
         self._core: PoolCore | None = PoolCore(self.num_workers, self.thread_pool, start_method,
                                                self.shm_prefix, [])
@@ -344,6 +348,10 @@ class WorkerPool:
         if self._core is None:
             raise RuntimeError("this WorkerPool is closed; create a new one")
         return self._core
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker processes now running (empty for threads or once closed)."""
+        return [] if self._core is None else self._core.worker_pids()
 
     @property
     def closed(self) -> bool:

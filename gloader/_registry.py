@@ -15,8 +15,8 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-__all__ = ["Payload", "Registration", "WorkerInfo", "current_identity", "get_worker_info", "lookup",
-           "register_loader", "set_current_info", "set_identity", "unregister_loader"]
+__all__ = ["Payload", "Registration", "WorkerInfo", "get_worker_info", "lookup", "register_loader",
+           "registered_from_file", "registered_ids", "set_current_info", "unregister_loader"]
 
 
 class WorkerInfo(NamedTuple):
@@ -68,23 +68,6 @@ class Registration:
 _LOCK = threading.Lock()
 _LOADERS: dict[int, Registration] = {}
 _LOCAL = threading.local()
-# (worker id, num_workers) of this process when it is a pool process; thread workers keep
-# theirs in _LOCAL, since they share this module.
-_PROCESS_IDENTITY: tuple[int, int] | None = None
-
-
-def set_identity(worker_id: int, num_workers: int, is_thread: bool) -> None:
-    """Record which worker this process (or thread) is; called by the pool initializer."""
-    global _PROCESS_IDENTITY
-    if is_thread:
-        _LOCAL.identity = (worker_id, num_workers)
-    else:
-        _PROCESS_IDENTITY = (worker_id, num_workers)
-
-
-def current_identity() -> tuple[int, int] | None:
-    """Return (worker id, num_workers) of the calling worker, None outside workers."""
-    return getattr(_LOCAL, "identity", None) or _PROCESS_IDENTITY
 
 
 def set_current_info(info: WorkerInfo | None) -> None:
@@ -109,8 +92,9 @@ def _load_part(part: Any, pickled: bool) -> Any:
     return dill.loads(part)
 
 
-def register_loader(loader_id: int, payload: Payload, from_file: bool = False) -> None:
-    """Register a loader in this worker and run its `worker_init_fn`. Never raises.
+def register_loader(loader_id: int, payload: Payload, worker_id: int, num_workers: int,
+                    from_file: bool = False) -> None:
+    """Register a loader in this worker and run its `worker_init_fn(worker_id)`. Never raises.
 
     A failure (unpickling, `worker_init_fn`) is kept in the registration and reported by the
     loader's first task, so that a pool initializer never fails and respawns in a loop.
@@ -123,14 +107,13 @@ def register_loader(loader_id: int, payload: Payload, from_file: bool = False) -
         registration.batchify_fn = _load_part(payload.batchify_fn, payload.pickled)
         stage = "worker_init_fn"
         worker_init_fn = _load_part(payload.worker_init_fn, payload.pickled)
-        identity = current_identity() or (0, 1)
         if worker_init_fn is not None:
             stage = "worker_init_fn call"
-            seed = (payload.base_seed + identity[0]) & ((1 << 63) - 1)
-            set_current_info(WorkerInfo(identity[0], identity[1], seed, registration.dataset,
+            seed = (payload.base_seed + worker_id) & ((1 << 63) - 1)
+            set_current_info(WorkerInfo(worker_id, num_workers, seed, registration.dataset,
                                         np.random.default_rng(seed)))
             try:
-                worker_init_fn(identity[0])
+                worker_init_fn(worker_id)
             finally:
                 set_current_info(None)
     except BaseException as exc:  # reported by the first task; see docstring
@@ -155,6 +138,12 @@ def unregister_loader(loader_id: int) -> None:
 def lookup(loader_id: int) -> Registration | None:
     """Return the registration of `loader_id`, or None when this worker has none."""
     return _LOADERS.get(loader_id)
+
+
+def registered_ids() -> list[int]:
+    """Ids of every loader registered in this worker."""
+    with _LOCK:
+        return sorted(_LOADERS)
 
 
 def registered_from_file() -> list[int]:

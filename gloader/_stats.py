@@ -1,5 +1,5 @@
 """Pipeline statistics and the progress bar: is training waiting for input, and where does
-loading time go? Runs in the caller's process. The whole flow is drawn in `_dispatch`."""
+loading time go? Runs in the caller's process. The whole flow is drawn in `_engine`."""
 from __future__ import annotations
 
 import dataclasses

@@ -12,7 +12,7 @@ array), so a batch the user keeps is never overwritten. A worker that creates a 
 slot it was given was too small, or none was free) owns it until the handle is returned; it
 unlinks it itself if it fails before then. Segment names start with the loader's prefix, so
 `unlink_prefix` removes everything of one loader after close or after the caller dies.
-The whole flow is drawn in `_dispatch`.
+The whole flow is drawn in `_engine`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import glob
 import logging
 import mmap
 import os
-import pickle
 import threading
 import warnings
 import weakref
@@ -32,8 +31,7 @@ import torch
 
 from ._tree import Leaf, Opaque, iter_leaves
 
-__all__ = ["SegmentCache", "SlotPool", "dumps_handle", "loads_handle", "pack_batch", "unlink_prefix",
-           "unlink_segment"]
+__all__ = ["SegmentCache", "SlotPool", "pack_batch", "unlink_prefix", "unlink_segment"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,26 +159,6 @@ def _encode(plan: Any, offsets: dict[int, int]) -> Any:
     if isinstance(plan, tuple):
         return ("T", [_encode(item, offsets) for item in plan])
     return ("D", [(key, _encode(item, offsets)) for key, item in plan.items()])
-
-
-def dumps_handle(handle: Any) -> bytes:
-    """Encode a small message for the caller: stdlib pickle, dill only when needed."""
-    try:
-        return b"P" + pickle.dumps(handle, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        import dill  # objects defined in __main__ or lambdas inside a batch need dill
-
-        data: bytes = dill.dumps(handle, protocol=pickle.HIGHEST_PROTOCOL)
-        return b"D" + data
-
-
-def loads_handle(data: bytes) -> Any:
-    """Decode bytes made by `pack_batch` (or by a worker's error path)."""
-    if data[:1] == b"P":
-        return pickle.loads(data[1:])
-    import dill
-
-    return dill.loads(data[1:])
 
 
 def pack_batch(plan: Any, slot: str | None, slot_capacity: int, prefix: str, cache: SegmentCache) -> tuple[Any, ...]:
@@ -340,7 +318,10 @@ class SlotPool:
             logger.debug("removed %d segments of %s that were still in flight at close", removed, self.prefix)
 
     def _adopt(self, name: str, capacity: int) -> None:
-        segment = _map_segment(name, capacity, create=False)
+        try:
+            segment = _map_segment(name, capacity, create=False)
+        except FileNotFoundError:  # its worker removed it when exiting (the caller is closing)
+            return
         with self._lock:
             closed = self._closed
             if not closed:

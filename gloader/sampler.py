@@ -6,18 +6,14 @@ Gluon's samplers with Gluon's semantics, plus resumable state (`state_dict`) and
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ._options import check_last_batch, check_positive_int
+from ._checks import check_last_batch, check_positive_int
 
 __all__ = ["BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler", "RandomSampler",
            "Sampler", "SequentialSampler"]
-
-
-class _Sized(Protocol):
-    def __len__(self) -> int: ...
 
 
 def _check_length(length: Any) -> int:

@@ -226,7 +226,7 @@ class RegistryProbe(gloader.Dataset):
     def __getitem__(self, idx: int) -> Any:
         from gloader import _registry
 
-        ids = sorted(_registry._LOADERS)[:6]
+        ids = _registry.registered_ids()[:6]
         return np.array([self.tag, idx, os.getpid(), len(ids)] + ids + [-1] * (6 - len(ids)), dtype=np.int64)
 
 

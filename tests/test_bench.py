@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gloader import bench
-from gloader.bench_device import report_device
+from gloader.bench.device import report_device
 
 pytestmark = pytest.mark.timeout(180)
 

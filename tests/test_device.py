@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from gloader import DataLoader
-
 from tests import _data
 from tests.conftest import wait_until
 
@@ -162,7 +161,7 @@ def test_state_and_len_describe_the_callers_epoch_after_the_pin_thread_fetched_i
     with _pinned_loader(np.arange(12), batch_size=4, num_workers=2) as loader:
         it = iter(loader)
         assert next(it).tolist() == [0, 1, 2, 3]
-        assert wait_until(lambda: loader._current is None, 10.0)  # the pin thread fetched the whole epoch
+        assert wait_until(lambda: it._host.ended, 10.0)  # the pin thread fetched the whole epoch
         state = loader.state_dict()
         assert (state["epoch"], state["batches_yielded"], len(loader)) == (0, 1, 3)
         assert torch.cat(list(it)).tolist() == list(range(4, 12))

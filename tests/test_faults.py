@@ -17,9 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from gloader import DataLoader
-from gloader._dispatch import BatchTimeoutError
-
+from gloader import BatchTimeoutError, DataLoader
 from tests import _data
 from tests.conftest import shm_entries, wait_until
 
@@ -197,7 +195,7 @@ def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path, 
         it = iter(loader)
         next(it)
         try:
-            print(" ".join(map(str, loader.worker_pids())), loader._resources.runtime.slots.prefix, flush=True)
+            print(" ".join(map(str, loader.worker_pids())), loader._engine.slots.prefix, flush=True)
             next(it)  # sample 3 takes 30 s: SIGINT arrives while the caller waits here
         except KeyboardInterrupt:
             print("interrupted", time.monotonic(), flush=True)
@@ -222,7 +220,7 @@ def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path, start_me
         loader = DataLoader(np.arange(4096, dtype=np.float32).reshape(512, 8), batch_size=16, num_workers=2,
                             start_method={start_method!r})
         held = [b for b in loader]
-        print(" ".join(map(str, loader.worker_pids())), loader._resources.runtime.slots.prefix, flush=True)
+        print(" ".join(map(str, loader.worker_pids())), loader._engine.slots.prefix, flush=True)
         time.sleep(60)
         """) as proc:
         pids_text, prefix = _wait_line(proc).rsplit(" ", 1)
@@ -241,7 +239,7 @@ def test_interpreter_exit_with_a_live_loader_is_prompt_and_quiet(tmp_path, start
                             start_method={start_method!r})
         it = iter(loader)
         next(it)
-        print(loader._resources.runtime.slots.prefix, flush=True)
+        print(loader._engine.slots.prefix, flush=True)
         """) as proc:
         prefix = _wait_line(proc)
         started = time.monotonic()

@@ -9,7 +9,6 @@ import torch
 
 import gloader
 from gloader import DataLoader, WorkerPool
-
 from tests import _data
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,10 +48,10 @@ def test_loader_joins_running_pool_and_leaving_drops_its_dataset_from_workers() 
     with WorkerPool(2) as pool:
         first = DataLoader(_data.RegistryProbe(1), batch_size=2, pool=pool)
         list(first)
-        pids = set(p.pid for p in pool.core.pool._pool)
+        pids = set(pool.worker_pids())
         second = DataLoader(_data.RegistryProbe(2), batch_size=2, pool=pool)
         rows = torch.cat(list(second))
-        assert set(p.pid for p in pool.core.pool._pool) == pids  # joined without restarting workers
+        assert set(pool.worker_pids()) == pids  # joined without restarting workers
         assert set(rows[:, 2].tolist()) <= pids
         first_id = first._id
         first.close()
@@ -70,8 +69,8 @@ def test_thread_pool_loader_close_unregisters_its_dataset() -> None:
 
     with DataLoader(np.arange(8), batch_size=2, num_workers=2, thread_pool=True) as loader:
         list(loader)
-        assert loader._id in _registry._LOADERS
-    assert loader._id not in _registry._LOADERS
+        assert loader._id in _registry.registered_ids()
+    assert loader._id not in _registry.registered_ids()
 
 
 @pytest.mark.parametrize("kwargs, match", [

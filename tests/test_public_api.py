@@ -9,8 +9,9 @@ from gloader import batchify, sampler
 
 def test_all_is_sorted_and_exact() -> None:
     assert gloader.__all__ == sorted(gloader.__all__)
-    assert set(gloader.__all__) == {"ArrayDataset", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset",
-                                    "WorkerInfo", "WorkerPool", "batchify", "get_worker_info", "sampler"}
+    assert set(gloader.__all__) == {"ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset",
+                                    "SimpleDataset", "WorkerExitedError", "WorkerInfo", "WorkerPool", "batchify",
+                                    "get_worker_info", "sampler"}
     assert set(batchify.__all__) >= {"Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn"}
     assert set(sampler.__all__) == {"BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler",
                                     "RandomSampler", "Sampler", "SequentialSampler"}

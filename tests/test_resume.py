@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from gloader import DataLoader
-
 from tests import _data
 
 pytestmark = pytest.mark.timeout(90)

@@ -5,8 +5,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gloader.sampler import (BatchSampler, DistributedSampler, FilterSampler, IntervalSampler, RandomSampler,
-                             SequentialSampler)
+from gloader.sampler import (
+    BatchSampler,
+    DistributedSampler,
+    FilterSampler,
+    IntervalSampler,
+    RandomSampler,
+    SequentialSampler,
+)
 
 sizes = st.integers(min_value=0, max_value=200)
 batch_sizes = st.integers(min_value=1, max_value=50)

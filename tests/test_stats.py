@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from gloader import DataLoader
-
 from tests import _data
 from tests.conftest import wait_until
 
@@ -54,7 +53,7 @@ def test_stats_count_what_the_caller_got_while_the_pin_thread_runs_ahead() -> No
     with loader:
         it = iter(loader)
         next(it), next(it)
-        assert wait_until(loader._pinner._queue.full, 10.0)  # the thread fetched batches the caller has not
+        assert wait_until(it._pinner._queue.full, 10.0)  # the thread fetched batches the caller has not
         epoch = loader.stats()["epochs"][0]
     assert epoch["batches"] == 2 and 0 <= epoch["wait_fraction"] <= 1.0 + 1e-6
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from gloader import DataLoader
-
 from tests import _data
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,7 +12,6 @@ import torch
 from gloader import DataLoader, batchify
 from gloader._transport import SegmentCache, SlotPool, pack_batch
 from gloader.batchify import plan_batch
-
 from tests import _data
 from tests.conftest import shm_entries
 from tests.test_loader import assert_same_batch
@@ -121,7 +120,7 @@ def test_workers_reuse_slots_in_steady_state_and_held_batches_survive(start_meth
         list(loader)  # holds every batch of an epoch: many slots
         for _ in loader:  # the next epoch's first batches were dispatched while those were held
             pass
-        slots = loader._resources.runtime.slots
+        slots = loader._engine.slots
         created = slots.segments_created
         for _ in range(3):
             for batch in loader:
@@ -138,7 +137,7 @@ def test_nothing_is_left_in_shm_after_an_error_in_a_worker() -> None:
     with DataLoader(_data.RaisesAt(5), batch_size=4, num_workers=2) as loader:
         with pytest.raises(_data.CustomLookupError):
             list(loader)
-        prefix = loader._resources.runtime.slots.prefix
+        prefix = loader._engine.slots.prefix
     assert shm_entries(prefix) == []
 
 
@@ -166,7 +165,7 @@ def test_small_dev_shm_warns_at_the_first_batch_naming_sizes_and_fix(monkeypatch
 
 
 def test_worker_discards_only_its_own_segment_not_those_whose_names_extend_it() -> None:
-    from gloader._worker import discard_created_segment
+    from gloader._fetch import SharedMemoryWriter
 
     base = f"gltest{os.getpid()}_w1_1"
     created = []
@@ -175,7 +174,7 @@ def test_worker_discards_only_its_own_segment_not_those_whose_names_extend_it() 
             fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.close(fd)
             created.append(name)
-        discard_created_segment(base)
+        SharedMemoryWriter().discard((base, 4096, True, None))  # a handle of a segment the worker created
         assert sorted(shm_entries(f"gltest{os.getpid()}_w1_")) == [base + "0", base + "1"]
     finally:
         for name in created:

@@ -8,10 +8,9 @@
 
 # %%
 import numpy as np
-import torch
 
 import gloader
-from gloader import ArrayDataset, DataLoader, SimpleDataset
+from gloader import DataLoader, SimpleDataset
 from gloader.batchify import Group, Pad, Stack
 
 # %% [markdown]
@@ -48,7 +47,7 @@ for method in ("fork", "spawn"):
     with DataLoader(images, batch_size=32, shuffle=True, last_batch="rollover", num_workers=2,
                     start_method=method, seed=0) as loader:
         sizes = []
-        for epoch in range(3):
+        for _ in range(3):
             expected = len(loader)
             batches = list(loader)
             assert len(batches) == expected

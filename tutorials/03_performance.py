@@ -44,7 +44,7 @@ class Slowish:
 dataset = gloader.SimpleDataset(list(range(256))).transform(lambda i: Slowish()[i])
 for method in ("fork", "spawn"):
     with DataLoader(dataset, batch_size=32, num_workers=2, start_method=method) as loader:
-        for batch in loader:
+        for _batch in loader:
             pass
         total = loader.stats()["total"]
     print(method, {key: round(value, 4) for key, value in total.items()})

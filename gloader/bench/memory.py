@@ -91,7 +91,8 @@ def measure_copy_on_write(quick: bool) -> dict[str, Any]:
         before_children = {p.pid for p in psutil.Process().children()}
         tl: Any = torch.utils.data.DataLoader(dataset, batch_size=1024, shuffle=True, num_workers=2,
                                          persistent_workers=True, multiprocessing_context="fork")
-        th = _growth(tl, lambda: [p.pid for p in psutil.Process().children() if p.pid not in before_children])
+        th = _growth(tl, lambda known=before_children: [p.pid for p in psutil.Process().children()
+                                                        if p.pid not in known])
         del tl
         out[name] = {"gloader": gl, "torch": th}
         del dataset
@@ -111,7 +112,7 @@ def measure_shared_pool(quick: bool) -> dict[str, float]:
     train, val = ArrayRecords(size), ArrayRecords(size // 4)
     with gloader.WorkerPool(2, start_method="spawn") as pool:
         loaders = [gloader.DataLoader(d, batch_size=4096, pool=pool) for d in (train, val)]
-        shared = _pool_uss(loaders, lambda: [p.pid for p in pool.core.pool._pool])
+        shared = _pool_uss(loaders, pool.worker_pids)
         for loader in loaders:
             loader.close()
     loaders = [gloader.DataLoader(d, batch_size=4096, num_workers=2, start_method="spawn") for d in (train, val)]

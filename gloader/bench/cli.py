@@ -10,8 +10,10 @@ Workloads:
     W2 images: uint8 224x224x3 + int, batch 64, shuffle.
     W3 CPU-bound: about 0.5 ms of numpy work per sample, batch 32.
     W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data).
-    W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench_memory`.
-    W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench_device`.
+    W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench.memory`.
+    W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench.device`.
+
+Uses gloader's public API only, like any other user of it.
 """
 from __future__ import annotations
 
@@ -22,70 +24,15 @@ import sys
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 import gloader
-from gloader._stats import write_status
 
-__all__ = ["main"]
+from .datasets import CpuBoundDataset, ImageDataset, TinyDataset, calibrate_cpu_work
+
+__all__ = ["main", "plot", "report", "run"]
 
 _WORKERS = 2
-
-
-class TinyDataset:
-    """W1: sample i is (float32[16] filled from i, i)."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, idx: int) -> Any:
-        return np.arange(16, dtype=np.float32) + idx, idx
-
-
-class ImageDataset:
-    """W2: sample i is (uint8 224x224x3 filled from i, i)."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, idx: int) -> Any:
-        return np.full((224, 224, 3), idx % 251, dtype=np.uint8), idx
-
-
-class CpuBoundDataset:
-    """W3: sample i costs `size` elements of sin/cos work (about 0.5 ms once calibrated)."""
-
-    def __init__(self, length: int, size: int) -> None:
-        self.length = length
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, idx: int) -> Any:
-        x = np.linspace(0.0, float(idx % 97), self.size)
-        y = np.sin(x) * np.cos(x * 0.5) + np.sqrt(x + 1.0)
-        return y[:64].astype(np.float32), idx
-
-
-def calibrate_cpu_work(target_s: float = 0.5e-3) -> int:
-    """Return the work size that makes one CpuBoundDataset sample take about `target_s`."""
-    size = 20_000
-    for _ in range(4):
-        probe = CpuBoundDataset(64, size)
-        start = time.perf_counter()
-        for i in range(64):
-            probe[i]
-        per_sample = (time.perf_counter() - start) / 64
-        size = max(1000, int(size * target_s / per_sample))
-    return size
 
 
 @dataclasses.dataclass
@@ -145,8 +92,8 @@ class _Progress:
         self.done += 1
         width = 30
         filled = width * self.done // self.total
-        write_status(f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label:<40}",
-                     last=self.done == self.total)
+        sys.stderr.write(f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}\n")
+        sys.stderr.flush()
 
 
 def _summary(values: list[float]) -> str:
@@ -191,7 +138,7 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         }
     _run_memory(quick, only, results)
     if only is not None and "W7" in only:
-        from .bench_device import measure_device_transfer
+        from .device import measure_device_transfer
 
         results["W7"] = measure_device_transfer(quick, rounds)
     if with_latency:
@@ -218,7 +165,7 @@ def _measure_latency(rounds: int, epochs: int, progress: _Progress) -> dict[str,
 
 
 def _run_memory(quick: bool, only: set[str] | None, results: dict[str, Any]) -> None:
-    from .bench_memory import measure_copy_on_write, measure_shared_pool
+    from .memory import measure_copy_on_write, measure_shared_pool
 
     if only is None or "W5" in only:
         sys.stderr.write("W5 copy-on-write ...\n")
@@ -241,8 +188,8 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {name} {res['title']} | {_summary(res['samples_per_s']['gloader'])} | "
                      f"{_summary(res['samples_per_s']['torch'])} | {_summary(res['mb_per_s']['gloader'])} | "
                      f"{_summary(res['mb_per_s']['torch'])} | **{_summary(res['ratio'])}x** |")
-    from .bench_device import report_device
-    from .bench_memory import report_memory
+    from .device import report_device
+    from .memory import report_memory
 
     if "W4" not in results:
         return "\n".join(lines + report_memory(results) + report_device(results))
@@ -314,7 +261,3 @@ def main(argv: list[str] | None = None) -> int:
         plot(results, args.plot)
         sys.stdout.write(f"chart saved to {args.plot}\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""Argument checks shared by the loader's config, the samplers and the worker pool.
+
+Each returns the normalized value or raises a TypeError/ValueError that names the argument,
+the value given and what is allowed. Imports nothing of gloader's.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+__all__ = ["LAST_BATCH_MODES", "START_METHODS", "check_last_batch", "check_non_negative_int",
+           "check_positive_int", "check_start_method", "is_int"]
+
+LAST_BATCH_MODES = ("keep", "discard", "rollover")
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_last_batch(last_batch: Any) -> str:
+    """Return the last_batch mode, 'keep' for None; ValueError for anything else."""
+    if last_batch is None:
+        return "keep"
+    if last_batch not in LAST_BATCH_MODES:
+        raise ValueError(f"last_batch must be one of {LAST_BATCH_MODES} or None, got {last_batch!r}")
+    return str(last_batch)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Return `value` as int when it is an integer >= 1; TypeError/ValueError otherwise."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be a positive integer, got {value!r} of type {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_non_negative_int(name: str, value: Any) -> int:
+    """Return `value` as int when it is an integer >= 0; TypeError/ValueError otherwise."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an integer >= 0, got {value!r} of type {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_start_method(start_method: Any) -> str | None:
+    """Return `start_method` when it is one of START_METHODS or None; ValueError otherwise."""
+    if start_method is not None and start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS} or None, got {start_method!r}")
+    return start_method  # type: ignore[no-any-return]

@@ -1,0 +1,365 @@
+"""Engine: keeps a window of batches in flight on the loader's workers and collects them in order.
+
+The whole flow, with who runs each step::
+
+    caller's thread (or its pin thread)          worker (process, thread, or in-process)
+    -----------------------------------          ---------------------------------------
+    Schedule.next_job(epoch) -> Job(epoch, i, seed, keys)                     (_schedule)
+    Engine.fill: SlotPool.acquire() -> a free slot; submit run_task(loader id,
+        epoch, i, seed, keys, slot)       ->  WorkerState: registry[loader id]       (_worker)
+                                               load_batch: dataset[k] for k in keys  (_fetch)
+                                               -> batchify plan -> write into the slot (shm)
+                                          <-  Loaded(handle) | ShardEnd | WorkerFailure
+    ... up to `prefetch` batches in flight, across the end of an epoch into the next ...
+    Engine.collect: wait for the oldest (in short slices: worker exit codes, the timeout);
+        SlotPool.rebuild(handle) -> tensors viewing the slot (zero copy)     (_transport)
+        WorkerFailure.reraise() -> the worker's exception, as its own type   (_protocol)
+    EpochIterator: [pin, in its pin thread] -> [to(device) on a side stream] (_device)
+        -> the user, counting what it hands over (state_dict, stats)        (_iterator)
+    the slot is free again when the batch's last tensor is freed
+
+Thread workers and in-process loading share the caller's memory: no slots, the batch itself
+comes back. In-process loading runs the same task function when the batch is collected.
+`_pool` owns worker processes and their supervision, `_options` the checked arguments,
+`loader` the public facade that builds the config, the schedule and this engine.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import time
+import warnings
+from typing import Any, Callable, Iterator, NamedTuple
+
+from ._options import LoaderConfig
+from ._pool import PoolCore
+from ._protocol import BatchTimeoutError, Job, Loaded, WorkerExitedError, WorkerFailure, decode, decode_keys
+from ._registry import Payload, Registration
+from ._seed import preserved_global_rng, seed_global_rng
+from ._transport import SlotPool
+from ._worker import WorkerState, execute
+
+__all__ = ["Collected", "Engine"]
+
+logger = logging.getLogger(__name__)
+
+# How long one wait lasts before worker exit codes and the deadline are checked again.
+# Longer: fewer wake-ups; shorter: a dead worker is reported sooner.
+_POLL_S = 0.05
+# Deadline for a loader leaving a shared pool to see its batches in flight finish, so that
+# nothing it owns is written after it has released its shared memory.
+_LEAVE_SHARED_POOL_S = 5.0
+# Free shared-memory slots a loader keeps mapped beyond those in flight and those the caller
+# holds. Two cover the batch being handed over and the one the caller just dropped. Larger:
+# fewer new segments after the caller holds a burst of batches; smaller: less idle memory.
+_SPARE_SLOTS = 2
+
+
+class Collected(NamedTuple):
+    """A collected batch (or a stream's `ShardEnd`) with its timings in seconds."""
+
+    batch: Any
+    fetch_s: float
+    batchify_s: float
+    handover_s: float
+
+
+class _Deferred:
+    """In-process loading's stand-in for an AsyncResult: the task runs when it is collected."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self._run = run
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+    def get(self, timeout_s: float) -> Any:
+        return self._run()
+
+
+@contextlib.contextmanager
+def _seeded_preserving_caller(seed: int) -> Iterator[None]:
+    """In-process loading with a seed: the batch's draws are seeded, the caller's restored."""
+    with preserved_global_rng():
+        seed_global_rng(seed)
+        yield
+
+
+@contextlib.contextmanager
+def _unseeded(seed: int) -> Iterator[None]:
+    yield
+
+
+class _InProcess:
+    """Runs tasks in the caller's thread with the loader's own registration."""
+
+    slots: SlotPool | None = None
+    shards = 1
+
+    def __init__(self, config: LoaderConfig, loader_id: int, payload: Payload) -> None:
+        self._loader_id = loader_id
+        self._registration = Registration(dataset=payload.dataset, batchify_fn=payload.batchify_fn)
+        self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
+
+    def submit(self, args: tuple[Any, ...]) -> _Deferred:
+        return _Deferred(lambda: execute(self._state, self._registration, *args))
+
+    def find_dead_worker(self) -> str | None:
+        return None
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def close(self, drain: Callable[[float], None]) -> None:
+        pass
+
+
+class _OnPool:
+    """Runs tasks on a pool of workers: the loader's own, or a shared `WorkerPool`'s."""
+
+    def __init__(self, core: PoolCore, owns_core: bool, loader_id: int, slots: SlotPool | None) -> None:
+        self.core = core
+        self.owns_core = owns_core
+        self.slots = slots
+        self.shards = core.num_workers
+        self._loader_id = loader_id
+
+    def submit(self, args: tuple[Any, ...]) -> Any:
+        return self.core.submit(args)
+
+    def find_dead_worker(self) -> str | None:
+        return self.core.find_dead_worker()
+
+    def worker_pids(self) -> list[int]:
+        return self.core.worker_pids()
+
+    def close(self, drain: Callable[[float], None]) -> None:
+        if self.owns_core:
+            self.core.close()
+        else:
+            drain(_LEAVE_SHARED_POOL_S)
+        self.core.leave(self._loader_id)
+        if self.slots is not None:
+            self.slots.close()
+
+
+def _start(config: LoaderConfig, loader_id: int, make_payload: Callable[[str, bool], Payload]) -> _InProcess | _OnPool:
+    if config.num_workers == 0:
+        return _InProcess(config, loader_id, make_payload("", False))
+    import multiprocess
+
+    start_method = multiprocess.get_context(config.start_method).get_start_method()
+    if config.pool is not None:
+        core = config.pool.core
+        prefix = f"{config.pool.shm_prefix}{loader_id}_"
+        core.join(loader_id, make_payload(prefix, not config.thread_pool))
+    else:
+        prefix = f"gl{os.getpid()}_{os.urandom(4).hex()}_{loader_id}_"
+        pickled = not config.thread_pool and start_method != "fork"
+        core = PoolCore(config.num_workers, config.thread_pool, config.start_method, prefix,
+                        [(loader_id, make_payload(prefix, pickled))])
+    slots = None if config.thread_pool else SlotPool(prefix, max_spare=_SPARE_SLOTS)
+    return _OnPool(core, config.pool is None, loader_id, slots)
+
+
+class _Task:
+    """A job dispatched and not yet collected: its result and the slot lent to it."""
+
+    __slots__ = ("job", "slot", "result")
+
+    def __init__(self, job: Job, slot: str | None, result: Any) -> None:
+        self.job = job
+        self.slot = slot
+        self.result = result
+
+
+class Engine:
+    """Dispatches a loader's jobs into a window of `prefetch` and collects them in order.
+
+    Starts its workers (or joins the shared pool) at the first `fill`; after a dead worker or
+    a timeout it stops them, and the next `fill` starts new ones. Holds no reference to the
+    loader, so the loader's finalizer can close it.
+
+    Args:
+        config: the loader's checked arguments.
+        loader_id: the loader's id in the workers' registry.
+        make_payload: `make_payload(shm prefix, pickled)` -> what the workers register.
+    """
+
+    def __init__(self, config: LoaderConfig, loader_id: int, make_payload: Callable[[str, bool], Payload]) -> None:
+        self._config = config
+        self._loader_id = loader_id
+        self._make_payload = make_payload
+        self._backend: _InProcess | _OnPool | None = None
+        self._tasks: collections.deque[_Task] = collections.deque()  # in flight, in dispatch order
+        self._discarded: list[_Task] = []  # no longer wanted; their slots come back as they finish
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    @property
+    def shards(self) -> int:
+        """How many shards a stream epoch has: one per worker (one in-process)."""
+        return self._config.num_workers or 1
+
+    def _running(self) -> _InProcess | _OnPool:
+        if self._backend is None:
+            self._backend = _start(self._config, self._loader_id, self._make_payload)
+        return self._backend
+
+    def fill(self, next_job: Callable[[], Job | None]) -> None:
+        """Dispatch jobs from `next_job` until the window is full or it has none."""
+        backend = self._running()
+        slots = backend.slots
+        while len(self._tasks) < self._config.prefetch:
+            job = next_job()
+            if job is None:
+                return
+            slot, capacity = slots.acquire() if slots is not None else (None, 0)
+            result = backend.submit((self._loader_id, job.epoch, job.number, job.seed, job.work, slot, capacity))
+            self._tasks.append(_Task(job, slot, result))
+
+    def collect(self, epoch: int) -> Collected | None:
+        """Wait for the oldest batch in flight if it belongs to `epoch` (None otherwise).
+
+        Re-raises a worker's exception as its own type; raises `WorkerExitedError` or
+        `BatchTimeoutError` (after stopping the workers) rather than wait unbounded.
+        """
+        if not self._tasks or self._tasks[0].job.epoch != epoch:
+            return None
+        self._reap_discarded()
+        task = self._tasks.popleft()
+        try:
+            self._wait(task)
+        except (WorkerExitedError, BatchTimeoutError):
+            self._discarded.append(task)
+            self.stop_workers()
+            raise
+        except BaseException:  # Ctrl-C: the task is not ours any more
+            self._discarded.append(task)
+            raise
+        ready = time.perf_counter()
+        message = task.result.get(0)
+        slots = self._backend.slots if self._backend is not None else None
+        if isinstance(message, bytes):
+            message = decode(message)
+        if not isinstance(message, Loaded):
+            if slots is not None:
+                slots.settle(task.slot, None)
+            if isinstance(message, WorkerFailure):
+                message.reraise(epoch)
+            return Collected(message, 0.0, 0.0, 0.0)
+        batch = message.batch
+        if slots is not None:
+            slots.settle(task.slot, batch)
+            if batch[0] is not None:
+                slots.warn_if_shm_small(batch[1], self._config.prefetch + _SPARE_SLOTS)  # once per loader
+            batch = slots.rebuild(batch)
+        return Collected(batch, message.fetch_s, message.batchify_s, time.perf_counter() - ready)
+
+    def _wait(self, task: _Task) -> None:
+        started = time.perf_counter()
+        deadline = time.monotonic() + self._config.timeout_s
+        result = task.result
+        while not result.ready():
+            result.wait(_POLL_S)
+            if result.ready():
+                return
+            dead = self._backend.find_dead_worker() if self._backend is not None else None
+            if dead is not None:
+                raise WorkerExitedError(f"{dead}. The loader was waiting for batch {task.job.number} of epoch "
+                                        f"{task.job.epoch}; its pool is shut down and the next epoch starts a "
+                                        "new one.")
+            if time.monotonic() > deadline:
+                elapsed = time.perf_counter() - started
+                raise BatchTimeoutError(f"batch {task.job.number} of epoch {task.job.epoch}{_describe_keys(task.job)} "
+                                        f"took more than {elapsed:.1f} s, the loader's timeout="
+                                        f"{self._config.timeout_s:g}; raise timeout= if batches are legitimately "
+                                        "slow, or look for a hang in the dataset")
+
+    def discard(self, epoch: int | None = None) -> None:
+        """Drop the batches in flight of `epoch` (of every epoch when None).
+
+        They leave the window at once, so other batches are dispatched without waiting for them.
+        """
+        keep: collections.deque[_Task] = collections.deque()
+        for task in self._tasks:
+            (self._discarded if epoch is None or task.job.epoch == epoch else keep).append(task)
+        self._tasks = keep
+        self._reap_discarded()
+
+    def _reap_discarded(self, backend: _InProcess | _OnPool | None = None) -> None:
+        """Free the slots of discarded tasks that have finished; keep waiting for the others."""
+        backend = backend or self._backend
+        slots = backend.slots if backend is not None else None
+        if slots is None:
+            self._discarded = []
+            return
+        keep = []
+        for task in self._discarded:
+            if not task.result.ready():
+                keep.append(task)
+                continue
+            try:
+                message = decode(task.result.get(0))
+            except Exception:
+                message = None
+            handle = message.batch if isinstance(message, Loaded) else None
+            slots.settle(task.slot, handle)
+            if handle is not None and handle[0] is not None:
+                slots.release(handle[0])
+        self._discarded = keep
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker processes now running for this loader."""
+        return self._backend.worker_pids() if self._backend is not None else []
+
+    def shared_memory_bytes(self) -> int:
+        slots = self._backend.slots if self._backend is not None else None
+        return slots.in_use_bytes() if slots is not None else 0
+
+    @property
+    def slots(self) -> SlotPool | None:
+        """The loader's shared-memory slots (None before the first batch and for threads)."""
+        return self._backend.slots if self._backend is not None else None
+
+    def stop_workers(self) -> None:
+        """Stop the workers (or leave the shared pool) and release shared memory; the next
+        `fill` starts anew. Batches already collected stay valid."""
+        backend, self._backend = self._backend, None
+        if backend is None:
+            return
+        self._discarded.extend(self._tasks)  # freed below: by the drain, or with every slot at close
+        self._tasks.clear()
+
+        def drain(timeout_s: float) -> None:  # leaving a shared pool: let our tasks finish first
+            deadline = time.monotonic() + timeout_s
+            for task in self._discarded:
+                task.result.wait(max(0.0, deadline - time.monotonic()))
+            self._reap_discarded(backend)
+
+        backend.close(drain)
+        self._discarded = []
+
+    close = stop_workers
+
+    def close_from_gc(self) -> None:
+        """The loader's finalizer: close, and say so when workers were still running."""
+        if isinstance(self._backend, _OnPool):
+            warnings.warn("a gloader DataLoader with running workers was garbage-collected without close(); "
+                          "use `with DataLoader(...) as loader:` or call loader.close()", ResourceWarning,
+                          stacklevel=2)
+        self.stop_workers()
+
+
+def _describe_keys(job: Job) -> str:
+    if not isinstance(job.work, (bytes, list)):
+        return ""
+    keys = decode_keys(job.work)
+    return f" (sample indices {keys[:8]}{'...' if len(keys) > 8 else ''})"

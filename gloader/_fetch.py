@@ -1,0 +1,126 @@
+"""From sample keys (or a stream's next samples) to a batch; one code path for in-process
+loading, thread workers and process workers.
+
+What differs between them is only where the batch goes, which a `BatchWriter` decides:
+`SharedMemoryWriter` (process workers) plans the batch and writes each byte once into a
+shared-memory slot, returning a small handle; `DirectWriter` (threads, in-process) returns
+the batch itself with numpy arrays turned into tensors. Runs wherever the batch is loaded;
+never imports caller-side code. The flow is drawn in `_engine`.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Protocol
+
+from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
+from ._transport import SegmentCache, pack_batch, unlink_segment
+from ._tree import arrays_to_tensors
+from .batchify import plan_batch
+
+__all__ = ["BatchWriter", "Cursor", "DirectWriter", "SharedMemoryWriter", "load_batch"]
+
+# Segments a process worker keeps mapped; see SegmentCache. Larger: fewer re-maps when many
+# slots circulate; smaller: retired segments are unmapped (and freed) sooner.
+_MAX_MAPPED_SEGMENTS = 32
+
+
+class BatchWriter(Protocol):
+    """Turns samples into what the task returns for them."""
+
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: str | None,
+              slot_capacity: int, prefix: str) -> Any: ...
+
+    def discard(self, batch: Any) -> None:
+        """Free what `write` made for a batch that will never reach the caller."""
+
+
+class DirectWriter:
+    """Thread workers and in-process loading share the caller's memory: the batch itself."""
+
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: str | None,
+              slot_capacity: int, prefix: str) -> Any:
+        return arrays_to_tensors(batchify_fn(samples))
+
+    def discard(self, batch: Any) -> None:
+        pass
+
+
+class SharedMemoryWriter:
+    """Process workers: plan the batch, write it into the lent slot (or a new segment), and
+    return its handle. Keeps segments mapped across batches (see `SegmentCache`)."""
+
+    def __init__(self) -> None:
+        self.cache = SegmentCache(_MAX_MAPPED_SEGMENTS)
+
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: str | None,
+              slot_capacity: int, prefix: str) -> Any:
+        return pack_batch(plan_batch(batchify_fn, samples), slot, slot_capacity, prefix, self.cache)
+
+    def discard(self, batch: Any) -> None:
+        """Unmap and remove the segment a handle names if this worker created it for the batch
+        (it still owns it then). Exactly that name: others may extend it (`_w12_1`, `_w12_10`)."""
+        name, _, created, _ = batch
+        if created:
+            self.cache.forget(name)
+            unlink_segment(name)
+
+
+class Cursor:
+    """The sample key being fetched, for the error report when `__getitem__` raises."""
+
+    __slots__ = ("key",)
+
+    def __init__(self) -> None:
+        self.key: Any = None
+
+
+def _fetch_samples(dataset: Any, keys: list[Any], cursor: Cursor) -> list[Any]:
+    samples: list[Any] = []
+    append, load = samples.append, dataset.__getitem__
+    for key in keys:
+        cursor.key = key
+        append(load(key))
+    cursor.key = None
+    return samples
+
+
+def _next_shard_samples(streams: dict[int, tuple[int, Any]], loader_id: int, epoch: int, dataset: Any,
+                        batch_size: int) -> list[Any] | None:
+    """The next samples of this worker's shard in `epoch`; None once it is exhausted.
+
+    `streams` is the worker's own table: loader id -> (epoch, iterator, None when exhausted).
+    """
+    state = streams.get(loader_id)
+    if state is None or state[0] != epoch:
+        state = (epoch, iter(dataset))  # the dataset finds its shard through get_worker_info()
+    stream = state[1]
+    if stream is None:
+        return None
+    try:
+        samples = list(itertools.islice(stream, batch_size))
+    except BaseException:
+        streams[loader_id] = (epoch, None)  # a generator that raised is finished
+        raise
+    streams[loader_id] = (epoch, stream if len(samples) == batch_size else None)
+    return samples or None
+
+
+def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, slot: str | None, slot_capacity: int,
+               writer: BatchWriter, streams: dict[int, tuple[int, Any]], worker_id: int,
+               cursor: Cursor) -> Loaded | ShardEnd:
+    """Load one batch of a registered loader: its samples by key, or a stream's next ones.
+
+    Raises whatever the dataset or the batchify function raises; `cursor.key` then names the
+    sample being fetched (None when batchify failed).
+    """
+    started = time.perf_counter()
+    if isinstance(work, StreamRequest):
+        samples = _next_shard_samples(streams, loader_id, epoch, registration.dataset, work.batch_size)
+        if samples is None or (len(samples) < work.batch_size and not work.keep_last):
+            return ShardEnd(worker_id)
+    else:
+        samples = _fetch_samples(registration.dataset, decode_keys(work), cursor)
+    fetched = time.perf_counter()
+    batch = writer.write(registration.batchify_fn, samples, slot, slot_capacity, registration.prefix)
+    return Loaded(batch, fetched - started, time.perf_counter() - fetched)

@@ -1,0 +1,172 @@
+"""Messages between the caller and its workers, and the errors the caller raises from them.
+
+A task is a flat argument tuple for `_worker.run_task`; its answer is one of three
+NamedTuples: `Loaded` (a batch, or its shared-memory handle), `ShardEnd` (a stream worker's
+shard is exhausted) or `WorkerFailure` (an exception, re-raised in the caller by `reraise`).
+Process workers send answers as bytes made by the stdlib pickler (`encode`): per-batch
+messages must stay tiny and flat, because the pool's pipes pickle with dill otherwise (see
+DESIGN.md's traps). Imports nothing of gloader's: both sides use it. The flow is drawn in
+`_engine`.
+"""
+from __future__ import annotations
+
+import importlib
+import pickle
+from typing import Any, NamedTuple, NoReturn
+
+import numpy as np
+
+__all__ = ["BatchTimeoutError", "Job", "Loaded", "ShardEnd", "StreamRequest", "WorkerExitedError", "WorkerFailure",
+           "decode", "decode_keys", "encode", "encode_keys"]
+
+
+class BatchTimeoutError(TimeoutError, RuntimeError):
+    """A batch took longer than the loader's `timeout`.
+
+    A `TimeoutError` and, as torch's DataLoader raises, a `RuntimeError`.
+    """
+
+
+class WorkerExitedError(RuntimeError):
+    """A worker process died while the loader was running."""
+
+
+class StreamRequest(NamedTuple):
+    """The work of a stream task: the next `batch_size` samples of the worker's own shard."""
+
+    batch_size: int
+    keep_last: bool
+
+
+class Loaded(NamedTuple):
+    """A finished batch: a shared-memory handle from process workers, the batch itself from
+    thread workers and in-process loading; with the worker's timings in seconds."""
+
+    batch: Any
+    fetch_s: float
+    batchify_s: float
+
+
+class ShardEnd(NamedTuple):
+    """A stream task whose worker found its shard exhausted."""
+
+    worker_id: int
+
+
+class _WorkerTraceback(Exception):
+    """The traceback of an exception raised in a worker; set as the `__cause__` of the re-raise."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n\n" + self.text
+
+
+class WorkerFailure(NamedTuple):
+    """An exception raised while loading a batch, as a worker reports it.
+
+    `exception` is the exception itself (thread workers, in-process), its pickle (process
+    workers), or None when it could not be pickled; the type name and message rebuild it then.
+    `context` says what failed when it was not the batch itself ("worker_init_fn raised").
+    `worker_id` is -1 for in-process loading.
+    """
+
+    type_name: str
+    message: str
+    traceback: str
+    context: str
+    batch_index: int
+    sample_index: Any
+    worker_id: int
+    pid: int
+    exception: Any
+
+    def rebuild(self) -> BaseException:
+        """The exception as its own type, best effort."""
+        exc = self.exception
+        if isinstance(exc, bytes):
+            try:
+                exc = pickle.loads(exc)
+            except Exception:
+                exc = None
+        if isinstance(exc, BaseException):
+            return exc
+        module, _, qualname = self.type_name.rpartition(".")
+        try:
+            cls: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+            return cls(self.message)  # type: ignore[no-any-return]
+        except Exception:
+            return RuntimeError(f"{self.type_name}: {self.message}")
+
+    def reraise(self, epoch: int) -> NoReturn:
+        """Raise the exception in the caller with the worker's traceback and where it happened."""
+        exc = self.rebuild()
+        where = "the main process" if self.worker_id < 0 else f"worker {self.worker_id} (pid {self.pid})"
+        if self.context:
+            note = f"gloader: {self.context} in {where}; reported for batch {self.batch_index} of epoch {epoch}"
+        else:
+            note = f"gloader: raised in {where} while loading batch {self.batch_index} of epoch {epoch}"
+            if self.sample_index is not None:
+                note += f", at sample index {self.sample_index}"
+        exc.add_note(note)
+        if self.worker_id < 0:
+            raise exc  # in-process: the traceback is already the exception's own
+        raise exc from _WorkerTraceback(self.traceback)
+
+
+Message = Loaded | ShardEnd | WorkerFailure
+
+
+def encode(message: Any) -> bytes:
+    """Encode an answer for the caller: stdlib pickle, dill only when a value needs it
+    (objects defined in `__main__`, lambdas inside a batch)."""
+    try:
+        return b"P" + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        import dill
+
+        data: bytes = dill.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return b"D" + data
+
+
+def decode(data: bytes) -> Any:
+    """Decode bytes made by `encode`."""
+    if data[:1] == b"P":
+        return pickle.loads(data[1:])
+    import dill
+
+    return dill.loads(data[1:])
+
+
+def encode_keys(keys: Any) -> Any:
+    """Sample keys for a task: int64 bytes when they are all integers (one flat object, cheap
+    to send), otherwise the keys themselves, so that any key reaches `__getitem__` unchanged."""
+    try:
+        array = np.asarray(keys)
+    except Exception:
+        return list(keys)
+    kind, size = array.dtype.kind, array.dtype.itemsize
+    if array.ndim == 1 and (kind == "i" or (kind == "u" and size < 8)):
+        return array.astype(np.int64, copy=False).tobytes()
+    return list(keys)
+
+
+def decode_keys(keys: Any) -> list[Any]:
+    """The sample keys of a task, as `encode_keys` received them."""
+    if isinstance(keys, bytes):
+        return np.frombuffer(keys, dtype=np.int64).tolist()  # type: ignore[no-any-return]
+    return keys  # type: ignore[no-any-return]
+
+
+class Job(NamedTuple):
+    """One batch to load: its epoch, its number in the epoch, its seed, and its work (encoded
+    sample keys or a `StreamRequest`). The caller's side of a task."""
+
+    epoch: int
+    number: int
+    seed: int
+    work: Any

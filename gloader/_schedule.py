@@ -1,0 +1,179 @@
+"""Epochs as numbered batches: which batches, in which order, with which seeds, resumable.
+
+`Schedule` owns the batch sampler, the epoch counter, the resume skip and the lookahead (an
+epoch opened early so its first batches can be dispatched before the caller asks). An
+`Epoch` hands out its batches one by one and knows, as soon as its last batch is taken,
+that it is exhausted and what the sampler's state is after it; so `state_dict` only reads.
+Runs in the caller's process; the flow is drawn in `_engine`.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator
+
+from ._checks import is_int
+from ._protocol import Job, StreamRequest, encode_keys
+from ._seed import derive_batch_seed
+
+__all__ = ["Epoch", "Schedule"]
+
+_STATE_KEYS = ("epoch", "batches_yielded", "sampler", "seed")
+
+
+class Epoch:
+    """One epoch's batches, numbered from 0; the first `skipped` were served before a resume.
+
+    Args:
+        length: batches in the whole epoch, or None when unknown (a stream).
+        start_state: the batch sampler's state before the epoch (None for streams).
+        end_state_of: returns the batch sampler's state; called once the epoch is exhausted.
+    """
+
+    def __init__(self, number: int, length: int | None, start_state: Any, batches: Iterator[tuple[int, Any]],
+                 skipped: int, end_state_of: Any) -> None:
+        self.number = number
+        self.length = length
+        self.start_state = start_state
+        self.skipped = skipped
+        self.end_state: Any = None
+        self.exhausted = False
+        self._batches = batches
+        self._end_state_of = end_state_of
+        self._next = self._advance()
+
+    def _advance(self) -> tuple[int, Any] | None:
+        item = next(self._batches, None)
+        if item is None:
+            self.mark_exhausted()
+        return item
+
+    def mark_exhausted(self) -> None:
+        """No batch is left to hand out (for a stream: every worker's shard has ended)."""
+        if not self.exhausted:
+            self.exhausted = True
+            self.end_state = self._end_state_of()
+
+    def take(self) -> tuple[int, Any] | None:
+        """The next (index, work), or None when the epoch is exhausted."""
+        item = self._next
+        if item is not None and not self.exhausted:
+            self._next = self._advance()
+            return item
+        return None
+
+    @property
+    def remaining(self) -> int | None:
+        """Batches the epoch serves after its skip (its length as a loader reports it)."""
+        return None if self.length is None else self.length - self.skipped
+
+
+class Schedule:
+    """Opens epochs from a batch sampler (or a stream request) and derives each batch's seed.
+
+    Args:
+        batch_sampler: yields lists of sample keys; None for a stream.
+        stream: the request every stream task carries; None for a map-style dataset.
+        base_seed: the loader's base seed.
+        lookahead: whether the next epoch may be opened before the caller asks for it.
+    """
+
+    def __init__(self, batch_sampler: Any, stream: StreamRequest | None, base_seed: int, lookahead: bool) -> None:
+        self._sampler = batch_sampler
+        self._stream = stream
+        self.base_seed = base_seed
+        self._lookahead = lookahead
+        self._next_number = 0
+        self._resume_skip = 0
+        self._upcoming: Epoch | None = None
+
+    def _sampler_state(self) -> Any:
+        return self._sampler.state_dict() if hasattr(self._sampler, "state_dict") else None
+
+    def _new_epoch(self) -> Epoch:
+        number, self._next_number = self._next_number, self._next_number + 1
+        if self._stream is not None:
+            request = self._stream
+            return Epoch(number, None, None, ((i, request) for i in itertools.count()), 0, lambda: None)
+        skip, self._resume_skip = self._resume_skip, 0
+        length = len(self._sampler) if hasattr(self._sampler, "__len__") else None
+        start_state = self._sampler_state()
+        batches = ((i, encode_keys(keys)) for i, keys in enumerate(self._sampler))
+        for _ in range(skip):
+            next(batches, None)
+        return Epoch(number, length, start_state, batches, skip, self._sampler_state)
+
+    def open(self) -> Epoch:
+        """The epoch the next iterator serves: the one opened ahead, or a new one."""
+        epoch, self._upcoming = self._upcoming or self._new_epoch(), None
+        return epoch
+
+    def peek_upcoming(self) -> Epoch | None:
+        """The epoch opened ahead, if any (not yet served)."""
+        return self._upcoming
+
+    def drop_upcoming(self) -> None:
+        """Forget the epoch opened ahead (its batches in flight were discarded)."""
+        self._upcoming = None
+
+    def next_job(self, current: Epoch) -> Job | None:
+        """The next batch to dispatch: `current`'s, then (with lookahead) the next epoch's first."""
+        epoch: Epoch | None = current
+        if current.exhausted:
+            if not self._lookahead:
+                return None
+            if self._upcoming is None:
+                self._upcoming = self._new_epoch()
+            epoch = self._upcoming
+        item = epoch.take() if epoch is not None else None
+        if item is None or epoch is None:
+            return None
+        index, work = item
+        return Job(epoch.number, index, derive_batch_seed(self.base_seed, epoch.number, index), work)
+
+    def length(self, served: Epoch | None, finished: bool) -> int | None:
+        """Batches in the epoch the current (or next) iterator serves, after a resume's skip."""
+        if served is not None and not finished:
+            return served.remaining
+        if self._upcoming is not None:
+            return self._upcoming.remaining
+        if self._stream is not None or not hasattr(self._sampler, "__len__"):
+            return None
+        return len(self._sampler) - self._resume_skip
+
+    def state_dict(self, served: Epoch | None, yielded: int, finished: bool) -> dict[str, Any]:
+        """Where the caller stands, given the epoch its latest iterator serves and the batches of
+        it handed over (`yielded`, the resume's skip included); reads only."""
+        if served is not None and not finished and not (
+                served.exhausted and served.length is not None and yielded >= served.length):
+            return self._state(served.number, yielded, served.start_state)
+        if served is not None and served.exhausted:  # the caller has the whole epoch
+            return self._state(served.number + 1, 0, served.end_state)
+        if self._upcoming is not None:
+            return self._state(self._upcoming.number, self._upcoming.skipped, self._upcoming.start_state)
+        return self._state(self._next_number, self._resume_skip, self._sampler_state())
+
+    def _state(self, epoch: int, yielded: int, sampler_state: Any) -> dict[str, Any]:
+        return {"epoch": epoch, "batches_yielded": yielded, "sampler": sampler_state, "seed": self.base_seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`: the next epoch opened is the saved one, minus its served batches.
+
+        Raises:
+            ValueError: when `state` lacks a key that `state_dict` writes or holds an impossible value.
+        """
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"state is missing {missing}; pass a dict made by DataLoader.state_dict()")
+        for key in ("epoch", "batches_yielded", "seed"):
+            if not is_int(state[key]) or state[key] < 0:
+                raise ValueError(f"state[{key!r}] must be an integer >= 0, got {state[key]!r}")
+        self._upcoming = None
+        if state["sampler"] is not None and hasattr(self._sampler, "load_state_dict"):
+            self._sampler.load_state_dict(state["sampler"])
+        length = len(self._sampler) if hasattr(self._sampler, "__len__") else None
+        if length is not None and state["batches_yielded"] > length:
+            raise ValueError(f"state['batches_yielded']={state['batches_yielded']} exceeds the {length} batches "
+                             "of the saved epoch; pass a state made by this loader's state_dict()")
+        self._next_number = int(state["epoch"])
+        self._resume_skip = int(state["batches_yielded"])
+        self.base_seed = int(state["seed"])

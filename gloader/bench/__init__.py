@@ -1,0 +1,8 @@
+"""Side-by-side benchmark of gloader and torch.utils.data.DataLoader: `python -m gloader.bench`.
+
+`run` measures the workloads, `report` formats them as Markdown, `plot` draws a chart; see
+`gloader.bench.cli` for the workloads and the method.
+"""
+from .cli import main, plot, report, run
+
+__all__ = ["main", "plot", "report", "run"]

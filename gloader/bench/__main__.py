@@ -1,0 +1,4 @@
+"""`python -m gloader.bench`: see `gloader.bench`."""
+from .cli import main
+
+raise SystemExit(main())
