@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._math import round_up
 from ._tree import Leaf, Opaque, iter_leaves
 
 __all__ = ["SegmentCache", "SlotPool", "pack_batch", "unlink_prefix", "unlink_segment"]
@@ -43,10 +44,6 @@ _ALIGN_BYTES = 64
 # slowly growing padded batches reuse it instead of creating a new segment each time.
 _HEADROOM_EIGHTHS = 1
 _PAGE_BYTES = mmap.PAGESIZE
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _path(name: str) -> str:
@@ -172,14 +169,14 @@ def pack_batch(plan: Any, slot: str | None, slot_capacity: int, prefix: str, cac
     leaves = list(iter_leaves(plan))
     for leaf in leaves:
         offsets[id(leaf)] = total
-        total += _round_up(leaf.nbytes, _ALIGN_BYTES)
+        total += round_up(leaf.nbytes, _ALIGN_BYTES)
     if total == 0:  # nothing to write (no tensors, or only empty ones): no segment needed
         for leaf in leaves:
             leaf.fill(torch.empty(leaf.shape, dtype=leaf.dtype))
         return (None, 0, False, _encode(plan, offsets))
     created = slot is None or total > slot_capacity
     if created:
-        capacity = _round_up(total + total * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
+        capacity = round_up(total + total * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
         name, segment = cache.create(prefix, capacity)
     else:
         name, capacity = slot, slot_capacity  # type: ignore[assignment]  # slot is set here

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 import torch
 
-__all__ = ["Leaf", "Opaque", "arrays_to_tensors", "as_torch_dtype", "iter_leaves", "map_tensors",
+__all__ = ["Leaf", "Opaque", "arrays_to_tensors", "as_torch_dtype", "iter_leaves", "map_structure", "map_tensors",
            "materialize", "plan_from_value"]
 
 _NUMPY_TO_TORCH: dict[np.dtype[Any], torch.dtype] = {}
@@ -118,30 +118,29 @@ def plan_from_value(value: Any) -> Any:
     return Opaque(value)
 
 
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
-    """Apply `fn` to every tensor nested in lists, tuples (named ones too) and mappings."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
+def map_structure(fn: Callable[[Any], Any], batch: Any) -> Any:
+    """Apply `fn` to every leaf nested in lists, tuples (named ones kept) and mappings."""
     if isinstance(batch, list):
-        return [map_tensors(fn, item) for item in batch]
+        return [map_structure(fn, item) for item in batch]
     if isinstance(batch, tuple):
-        mapped = [map_tensors(fn, item) for item in batch]
+        mapped = [map_structure(fn, item) for item in batch]
         return type(batch)(*mapped) if hasattr(batch, "_fields") else tuple(mapped)
     if isinstance(batch, Mapping):
-        return {key: map_tensors(fn, item) for key, item in batch.items()}
-    return batch
+        return {key: map_structure(fn, item) for key, item in batch.items()}
+    return fn(batch)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
+    """Apply `fn` to every tensor nested in lists, tuples (named ones too) and mappings."""
+    return map_structure(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
+
+
+def _array_to_tensor(leaf: Any) -> Any:
+    if not isinstance(leaf, np.ndarray) or leaf.dtype.hasobject or as_torch_dtype(leaf.dtype) is None:
+        return leaf
+    return torch.from_numpy(leaf) if leaf.flags.writeable else torch.tensor(leaf)
 
 
 def arrays_to_tensors(batch: Any) -> Any:
     """Turn numeric numpy arrays nested in a batch into tensors that share their memory."""
-    if isinstance(batch, np.ndarray):
-        if batch.dtype.hasobject or as_torch_dtype(batch.dtype) is None:
-            return batch
-        return torch.from_numpy(batch) if batch.flags.writeable else torch.tensor(batch)
-    if isinstance(batch, list):
-        return [arrays_to_tensors(item) for item in batch]
-    if isinstance(batch, tuple) and not hasattr(batch, "_fields"):
-        return tuple(arrays_to_tensors(item) for item in batch)
-    if isinstance(batch, dict):
-        return {key: arrays_to_tensors(item) for key, item in batch.items()}
-    return batch
+    return map_structure(_array_to_tensor, batch)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
+from ._math import round_up
 from ._tree import Leaf, Opaque, as_torch_dtype, materialize, plan_from_value
 
 __all__ = ["Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn", "plan_batch"]
@@ -238,7 +239,7 @@ class Pad(_Batchify):
                              f"got shapes {[tuple(t.shape) for t in tensors[:3]]}")
         longest = max(lengths)
         if self._round_to:
-            longest = -(-longest // self._round_to) * self._round_to
+            longest = round_up(longest, self._round_to)
         shape = list(tensors[0].shape)
         shape[axis] = longest
         pad_val = self._pad_val

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ._checks import check_last_batch, check_positive_int
+from ._math import ceil_div
 
 __all__ = ["BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler", "RandomSampler",
            "Sampler", "SequentialSampler"]
@@ -132,7 +133,7 @@ class IntervalSampler(Sampler):
     def __len__(self) -> int:
         if self._rollover:
             return self._length
-        return -(-self._length // self._interval)
+        return ceil_div(self._length, self._interval)
 
 
 class FilterSampler(Sampler):
@@ -195,7 +196,7 @@ class BatchSampler(Sampler):
     def __len__(self) -> int:
         total = len(self._sampler)
         if self._last_batch == "keep":
-            return -(-total // self._batch_size)
+            return ceil_div(total, self._batch_size)
         if self._last_batch == "discard":
             return total // self._batch_size
         return (len(self._prev) + total) // self._batch_size
@@ -265,7 +266,7 @@ class DistributedSampler(Sampler):
 
     def __len__(self) -> int:
         if self._pad:
-            return -(-self._length // self._num_replicas)
+            return ceil_div(self._length, self._num_replicas)
         return self._length // self._num_replicas
 
     def __iter__(self) -> Iterator[int]:
