@@ -146,7 +146,8 @@ class SegmentCache:
 
 
 def _encode(plan: Any, offsets: dict[int, int]) -> Any:
-    """Describe a plan as plain tuples: ('t', offset, shape, dtype), ('o', value), containers."""
+    """Describe a plan as plain tuples: ('t', offset, shape, dtype), ('o', value), containers
+    ('L' list, 'T' tuple, 'N' namedtuple with its class, 'D' dict)."""
     if isinstance(plan, Leaf):
         return ("t", offsets[id(plan)], plan.shape, str(plan.dtype)[6:])
     if isinstance(plan, Opaque):
@@ -154,6 +155,8 @@ def _encode(plan: Any, offsets: dict[int, int]) -> Any:
     if isinstance(plan, list):
         return ("L", [_encode(item, offsets) for item in plan])
     if isinstance(plan, tuple):
+        if hasattr(plan, "_fields"):  # a namedtuple: its class travels by reference
+            return ("N", type(plan), [_encode(item, offsets) for item in plan])
         return ("T", [_encode(item, offsets) for item in plan])
     return ("D", [(key, _encode(item, offsets)) for key, item in plan.items()])
 
@@ -223,6 +226,8 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
         return [_decode(item, base) for item in spec[1]]
     if kind == "T":
         return tuple(_decode(item, base) for item in spec[1])
+    if kind == "N":
+        return spec[1](*[_decode(item, base) for item in spec[2]])
     return {key: _decode(item, base) for key, item in spec[1]}
 
 

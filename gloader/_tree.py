@@ -84,7 +84,8 @@ def materialize(plan: Any, alloc: Callable[[tuple[int, ...], torch.dtype], torch
     if isinstance(plan, list):
         return [materialize(item, alloc) for item in plan]
     if isinstance(plan, tuple):
-        return tuple(materialize(item, alloc) for item in plan)
+        items = [materialize(item, alloc) for item in plan]
+        return type(plan)(*items) if hasattr(plan, "_fields") else tuple(items)
     if isinstance(plan, dict):
         return {key: materialize(item, alloc) for key, item in plan.items()}
     raise AssertionError(f"internal error: unexpected plan node {type(plan).__name__}")
@@ -104,13 +105,16 @@ def plan_from_value(value: Any) -> Any:
     destination; containers recurse; anything else is opaque.
     """
     if isinstance(value, torch.Tensor):
+        if value.is_nested or value.layout != torch.strided:
+            return Opaque(value)  # no flat buffer to write: travels by pickle
         return _copy_leaf(value.detach().cpu() if value.device.type != "cpu" else value.detach())
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject or as_torch_dtype(value.dtype) is None:
             return Opaque(value)
         return _copy_leaf(torch.from_numpy(np.ascontiguousarray(value)) if value.ndim else torch.tensor(value))
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(plan_from_value(item) for item in value)
+    if isinstance(value, tuple):
+        items = [plan_from_value(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, list):
         return [plan_from_value(item) for item in value]
     if isinstance(value, dict):

@@ -1,13 +1,14 @@
 """Batchify functions: turn a list of samples into one batch of torch tensors.
 
-Gluon's batchify API (`Stack`, `Pad`, `Group`/`Tuple`, `Dict`, `List` and
-`default_batchify_fn`). Each one also *plans* the batch (shapes and dtypes first, data
+Gluon's batchify API (`Stack`, `Pad`, `Group`/`Tuple`, `Dict`, `List`, MXNet 2.0's `AsList`
+and `Append`, and `default_batchify_fn`, which follows torch's `default_collate`). Each one also *plans* the batch (shapes and dtypes first, data
 second), which lets a worker write the batch straight into shared memory, each byte once.
 Any other callable works as a batchify function too; its output is copied once.
 Nothing here starts a process or touches CUDA.
 """
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -17,7 +18,8 @@ import torch
 from ._math import round_up
 from ._tree import Leaf, Opaque, as_torch_dtype, materialize, plan_from_value
 
-__all__ = ["Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn", "plan_batch"]
+__all__ = ["Append", "AsList", "Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn",
+           "plan_batch"]
 
 
 def _alloc_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -46,14 +48,19 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
 
 
 def _numeric_kind(items: Sequence[Any]) -> torch.dtype:
+    """bool, int64, float64 or complex128, numpy-first: Python and numpy scalars mix freely."""
     kinds = set(map(type, items))
-    if kinds <= {bool}:
+    if all(issubclass(kind, (bool, np.bool_)) for kind in kinds):
         return torch.bool
-    if kinds <= {bool, int}:
+    if all(issubclass(kind, (int, np.integer, np.bool_)) for kind in kinds):
         return torch.int64
-    if kinds <= {bool, int, float}:
+    if all(issubclass(kind, (int, float, np.integer, np.floating, np.bool_)) for kind in kinds):
         return torch.float64
-    return torch.complex128
+    if all(issubclass(kind, (numbers.Number, np.number, np.bool_)) for kind in kinds):
+        return torch.complex128
+    shown = [item for item in items if not isinstance(item, (numbers.Number, np.number, np.bool_))][:3]
+    raise TypeError(f"cannot batch numbers together with {shown!r} (batch {list(items)[:8]!r}); return the "
+                    "same kind of value for this field in every sample, or give a batchify_fn that handles it")
 
 
 def _plan_scalars(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
@@ -124,14 +131,31 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     return Leaf((len(arrays),) + arrays[0].shape, found, fill_arrays)
 
 
+def _plan_array_field(samples: Sequence[Any]) -> Any:
+    first = samples[0]
+    if isinstance(first, np.ndarray) and first.dtype.kind in "US":
+        return Opaque(list(samples))  # string arrays: torch has no string tensors
+    if isinstance(first, np.ndarray) and (first.dtype.hasobject or as_torch_dtype(first.dtype) is None):
+        raise TypeError(f"the default batchify cannot batch numpy arrays of dtype {first.dtype} (as torch's "
+                        "default_collate cannot); convert them in the dataset, or give a batchify_fn such "
+                        "as gloader.batchify.List()")
+    if isinstance(first, torch.Tensor) and first.is_nested:
+        return Opaque(list(samples))  # nested tensors do not stack; they travel as they are
+    return _plan_stack(samples, None)
+
+
 def _plan_default(samples: Sequence[Any]) -> Any:
     if not samples:
         return Opaque([])
     first = samples[0]
-    if isinstance(first, (torch.Tensor, np.ndarray, np.generic)):
-        if isinstance(first, np.ndarray) and (first.dtype.hasobject or as_torch_dtype(first.dtype) is None):
-            return Opaque(list(samples))
-        return _plan_stack(samples, None)
+    if isinstance(first, (str, bytes)):  # numpy string scalars too: np.str_ is a str
+        return Opaque(list(samples))
+    if isinstance(first, (torch.Tensor, np.ndarray)):
+        return _plan_array_field(samples)
+    if isinstance(first, np.generic):
+        if any(not isinstance(item, np.generic) for item in samples):
+            return _plan_scalars(samples, None)  # numpy and Python scalars mixed
+        return _plan_array_field(samples)
     if isinstance(first, (bool, int, float, complex)):
         return _plan_scalars(samples, None)
     if isinstance(first, Mapping):
@@ -141,21 +165,24 @@ def _plan_default(samples: Sequence[Any]) -> Any:
                 raise ValueError(f"dict samples of one batch must have the same keys, got {keys} and "
                                  f"{list(sample.keys()) if isinstance(sample, Mapping) else type(sample).__name__}")
         return {key: _plan_default([sample[key] for sample in samples]) for key in keys}
-    if isinstance(first, (tuple, list)):
+    if isinstance(first, Sequence):
         lengths = {len(sample) for sample in samples}
         if len(lengths) != 1:
-            raise ValueError(f"tuple samples of one batch must have the same length, got lengths {sorted(lengths)}")
-        return [_plan_default(list(field)) for field in zip(*samples)]
+            raise ValueError(f"sequence samples of one batch must have the same length, got lengths "
+                             f"{sorted(lengths)}")
+        fields = [_plan_default(list(field)) for field in zip(*samples)]
+        return type(first)(*fields) if hasattr(first, "_fields") else fields  # a namedtuple stays one
     return Opaque(list(samples))
 
 
 def default_batchify_fn(samples: list[Any]) -> Any:
-    """Batch samples by Gluon's default rules.
+    """Batch samples by torch's `default_collate` rules, numpy-first as Gluon does.
 
-    Arrays and tensors stack into a tensor of their dtype; Python bools, ints and floats become
-    bool, int64 and float64 tensors; strings, bytes and other objects stay a list; a tuple or
-    list sample becomes a list of batched fields and a dict sample a dict of batched fields,
-    recursively.
+    Arrays and tensors stack into a tensor of their dtype; Python and numpy bools, ints and
+    floats become bool, int64 and float64 tensors (mixed freely); strings, bytes, numpy string
+    scalars and string arrays stay a list; a namedtuple sample becomes the same namedtuple of
+    batched fields, any other sequence sample a list of batched fields, and a dict sample a
+    dict of batched fields, recursively. Nested tensors stay a list.
 
     Args:
         samples: the samples of one batch.
@@ -165,6 +192,8 @@ def default_batchify_fn(samples: list[Any]) -> Any:
 
     Raises:
         ValueError: when arrays of different shapes would be stacked.
+        TypeError: for a field mixing numbers with other values (None), or numpy arrays of a
+            dtype torch cannot hold (objects), as torch's `default_collate` does.
     """
     return materialize(_plan_default(samples), _alloc_host)
 
@@ -198,35 +227,52 @@ class Stack(_Batchify):
         return _plan_stack(samples, self._dtype)
 
 
+_UNSET: Any = object()
+
+
 class Pad(_Batchify):
-    """Pad arrays to the longest along `axis`, then stack them.
+    """Pad arrays to the longest, then stack them.
+
+    Two forms. GluonNLP's, `Pad(axis=0, pad_val=0, ret_length=False, dtype=None, round_to=None)`,
+    pads along `axis`. MXNet 2.0's, `Pad(val=..., dtype=None, round_to=None)` (named by passing
+    `val`), pads every axis to the largest size among the samples.
 
     Args:
         axis: the sample axis to pad (samples agree on every other axis).
         pad_val: value written into the padding.
-        ret_length: also return an int64 tensor of the original lengths.
+        ret_length: also return an int64 tensor of the original lengths along `axis`.
         dtype: output dtype; None keeps the samples' dtype.
-        round_to: round the padded length up to a multiple of this.
+        round_to: round each padded length up to a multiple of this.
+        val: MXNet 2.0's padding value (None means 0); selects the every-axis form.
 
     Raises:
         ValueError: for an axis outside the samples' dimensions, or other axes that differ.
     """
 
     def __init__(self, axis: int = 0, pad_val: Any = 0, ret_length: bool = False,
-                 dtype: Any = None, round_to: int | None = None) -> None:
+                 dtype: Any = None, round_to: int | None = None, *, val: Any = _UNSET) -> None:
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise TypeError(f"axis must be an integer, got {axis!r}")
         if round_to is not None and (isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1):
             raise ValueError(f"round_to must be an integer >= 1 or None, got {round_to!r}")
+        self._every_axis = val is not _UNSET
+        if self._every_axis and ret_length:
+            raise ValueError("ret_length=True belongs to GluonNLP's Pad(axis=...); MXNet 2.0's Pad(val=...) pads "
+                             "every axis and returns no lengths")
         self._axis = axis
-        self._pad_val = pad_val
+        self._pad_val = (0 if val is None else val) if self._every_axis else pad_val
         self._ret_length = bool(ret_length)
         self._dtype = _check_dtype(dtype)
         self._round_to = round_to
 
+    def _rounded(self, size: int) -> int:
+        return round_up(size, self._round_to) if self._round_to else size
+
     def _gloader_plan(self, samples: list[Any]) -> Any:
         tensors = [torch.as_tensor(s) if isinstance(s, torch.Tensor) else torch.from_numpy(np.asarray(s))
                    for s in samples]
+        if self._every_axis:
+            return self._plan_every_axis(tensors)
         ndim = tensors[0].dim()
         axis = self._axis + ndim if self._axis < 0 else self._axis
         if not 0 <= axis < ndim or any(t.dim() != ndim for t in tensors):
@@ -237,9 +283,7 @@ class Pad(_Batchify):
         if len(rest) != 1:
             raise ValueError(f"Pad(axis={self._axis}) needs samples that agree on every other axis, "
                              f"got shapes {[tuple(t.shape) for t in tensors[:3]]}")
-        longest = max(lengths)
-        if self._round_to:
-            longest = round_up(longest, self._round_to)
+        longest = self._rounded(max(lengths))
         shape = list(tensors[0].shape)
         shape[axis] = longest
         pad_val = self._pad_val
@@ -254,6 +298,21 @@ class Pad(_Batchify):
         if self._ret_length:
             return (padded, _plan_scalars(lengths, torch.int64))
         return padded
+
+    def _plan_every_axis(self, tensors: list[torch.Tensor]) -> Leaf:
+        ndim = tensors[0].dim()
+        if any(t.dim() != ndim for t in tensors):
+            raise ValueError(f"Pad(val=...) needs samples with the same number of dimensions, got shapes "
+                             f"{[tuple(t.shape) for t in tensors[:3]]}")
+        shape = [self._rounded(max(int(t.shape[d]) for t in tensors)) for d in range(ndim)]
+        pad_val = self._pad_val
+
+        def fill(out: torch.Tensor) -> None:
+            out.fill_(pad_val)
+            for row, t in zip(out, tensors):
+                row[tuple(slice(0, size) for size in t.shape)].copy_(t)
+
+        return Leaf((len(tensors), *shape), self._dtype or tensors[0].dtype, fill)
 
 
 class Group(_Batchify):
@@ -309,3 +368,29 @@ class List(_Batchify):
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
         return Opaque(list(samples))
+
+
+AsList = List  # MXNet 2.0's name
+
+
+class Append(_Batchify):
+    """Keep the samples apart: a list of tensors, one per sample (MXNet 2.0's `Append`).
+
+    Args:
+        expand: give each sample a batch axis of size 1.
+        batch_axis: where that axis goes.
+    """
+
+    def __init__(self, expand: bool = True, batch_axis: int = 0) -> None:
+        if isinstance(batch_axis, bool) or not isinstance(batch_axis, int):
+            raise TypeError(f"batch_axis must be an integer, got {batch_axis!r}")
+        self._expand = bool(expand)
+        self._batch_axis = batch_axis
+
+    def _gloader_plan(self, samples: list[Any]) -> Any:
+        out = []
+        for sample in samples:
+            tensor = torch.as_tensor(sample) if isinstance(sample, torch.Tensor) else torch.from_numpy(
+                np.ascontiguousarray(sample))
+            out.append(plan_from_value(tensor.unsqueeze(self._batch_axis) if self._expand else tensor))
+        return out

@@ -2,6 +2,7 @@
 that spawn and forkserver workers can find them)."""
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -271,3 +272,35 @@ class FreezeCount(gloader.Dataset):
         import gc
 
         return np.array([gc.get_freeze_count()], dtype=np.int64)
+
+
+Point = collections.namedtuple("Point", ["image", "label"])
+
+
+class NamedSamples(gloader.Dataset):
+    """Sample i is Point(image=float32[2] filled with i, label=i)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, idx: int) -> Any:
+        return Point(np.full(2, idx, dtype=np.float32), idx)
+
+
+class TextRows(gloader.Dataset):
+    """Rows as a HuggingFace table in numpy format gives them: numpy string and int scalars."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, idx: int) -> Any:
+        return {"text": np.str_(f"row number {idx}"), "label": np.int64(idx % 2)}
+
+
+def nested_batchify(samples: list[Any]) -> Any:
+    """Batches ragged samples into one nested tensor."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch calls nested tensors a prototype
+        return torch.nested.nested_tensor([torch.as_tensor(s, dtype=torch.float32) for s in samples])

@@ -1,13 +1,18 @@
 """Batchify: dtype and structure rules, planned and materialized the same way."""
 from __future__ import annotations
 
+import collections.abc
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gloader.batchify import Dict, Group, List, Pad, Stack, Tuple, default_batchify_fn
+from gloader import DataLoader
+from gloader.batchify import Append, AsList, Dict, Group, List, Pad, Stack, Tuple, default_batchify_fn
+from tests import _data
 
 
 def test_default_rules_for_scalars_and_strings() -> None:
@@ -89,3 +94,83 @@ def test_bad_batchify_arguments_name_the_value() -> None:
         Pad(round_to=0)
     with pytest.raises(TypeError, match="Group needs one or more batchify functions"):
         Group()
+
+
+def test_namedtuple_samples_come_back_as_the_same_namedtuple() -> None:
+    out = default_batchify_fn([_data.Point(np.zeros(2, np.float32), 1), _data.Point(np.ones(2, np.float32), 2)])
+    assert type(out) is _data.Point and out.label.tolist() == [1, 2] and out.image.shape == (2, 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_namedtuple_batches_cross_process_workers_as_namedtuples(num_workers: int) -> None:
+    with DataLoader(_data.NamedSamples(), batch_size=4, num_workers=num_workers) as loader:
+        batches = list(loader)
+    assert all(type(b) is _data.Point for b in batches)
+    assert batches[1].label.tolist() == [4, 5, 6, 7] and batches[1].image[:, 0].tolist() == [4, 5, 6, 7]
+
+
+def test_any_sequence_sample_is_transposed_into_a_list_of_fields() -> None:
+    class Row(collections.abc.Sequence):  # a user Sequence, neither tuple nor list
+        def __init__(self, *items: Any) -> None:
+            self.items = items
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+        def __getitem__(self, i: Any) -> Any:
+            return self.items[i]
+
+    out = default_batchify_fn([Row(1, 2.5), Row(3, 4.5)])
+    assert out[0].tolist() == [1, 3] and out[0].dtype == torch.int64 and out[1].dtype == torch.float64
+
+
+def test_strings_of_every_kind_stay_a_list_and_object_arrays_raise_as_in_torch() -> None:
+    assert default_batchify_fn([np.str_("a"), np.str_("b")]) == ["a", "b"]
+    assert default_batchify_fn([b"x", b"y"]) == [b"x", b"y"]
+    texts = default_batchify_fn([np.array(["a", "b"]), np.array(["c", "d"])])
+    assert isinstance(texts, list) and [t.tolist() for t in texts] == [["a", "b"], ["c", "d"]]
+    with pytest.raises(TypeError, match="cannot batch numpy arrays of dtype object"):
+        default_batchify_fn([np.array([None]), np.array([1], dtype=object)])
+
+
+@pytest.mark.timeout(60)
+def test_text_rows_in_numpy_format_batch_through_workers() -> None:
+    with DataLoader(_data.TextRows(), batch_size=3, num_workers=2) as loader:
+        first = next(iter(loader))
+    assert first["text"] == ["row number 0", "row number 1", "row number 2"]
+    assert first["label"].tolist() == [0, 1, 0] and first["label"].dtype == torch.int64
+
+
+def test_python_and_numpy_numbers_mix_numpy_first_and_none_is_a_type_error() -> None:
+    assert default_batchify_fn([1, np.int64(2), 3]).dtype == torch.int64
+    assert default_batchify_fn([np.int64(2), 1]).dtype == torch.int64
+    assert default_batchify_fn([1, 2.5, np.float32(1)]).dtype == torch.float64
+    assert default_batchify_fn([True, np.bool_(False)]).dtype == torch.bool
+    with pytest.raises(TypeError, match=r"cannot batch numbers together with \[None\] \(batch \[1, None\]\)"):
+        default_batchify_fn([1, None])
+
+
+@pytest.mark.timeout(60)
+def test_nested_tensors_pass_through_process_workers() -> None:
+    with DataLoader([np.arange(n) for n in (1, 2, 3, 4)], batch_size=2, num_workers=1,
+                    batchify_fn=_data.nested_batchify) as loader:
+        batches = list(loader)
+    assert all(b.is_nested for b in batches)
+    assert [t.tolist() for t in batches[1].unbind()] == [[0, 1, 2], [0, 1, 2, 3]]
+
+
+def test_mxnet2_pad_pads_every_axis_and_rounds_each() -> None:
+    out = Pad(val=-1)([np.ones((1, 3)), np.ones((2, 2))])
+    assert out.shape == (2, 2, 3) and out[0, 1].tolist() == [-1, -1, -1] and out[1, :, 2].tolist() == [-1, -1]
+    assert Pad(val=None, round_to=4)([np.ones((1, 3))]).shape == (1, 4, 4)
+    assert Pad(val=0, dtype="float32")([np.ones(2, np.int64)]).dtype == torch.float32
+    with pytest.raises(ValueError, match="ret_length=True belongs to GluonNLP's Pad"):
+        Pad(val=0, ret_length=True)
+
+
+def test_aslist_and_append_keep_samples_apart() -> None:
+    assert AsList()(["a", 1]) == ["a", 1]
+    out = Append()([np.zeros(2), np.ones(3)])
+    assert [tuple(t.shape) for t in out] == [(1, 2), (1, 3)]
+    assert [tuple(t.shape) for t in Append(expand=False)([np.zeros(2)])] == [(2,)]
