@@ -64,6 +64,7 @@ class Collected(NamedTuple):
     fetch_s: float
     batchify_s: float
     handover_s: float
+    worker_id: int
 
 
 class _Deferred:
@@ -103,7 +104,7 @@ class _InProcess:
 
     def __init__(self, config: LoaderConfig, loader_id: int, payload: Payload) -> None:
         self._loader_id = loader_id
-        self._registration = Registration(dataset=payload.dataset, batchify_fn=payload.batchify_fn)
+        self._registration = Registration(dataset=payload.parts[0], batchify_fn=payload.parts[1])
         self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
 
     def submit(self, args: tuple[Any, ...]) -> _Deferred:
@@ -254,14 +255,14 @@ class Engine:
                 slots.settle(task.slot, None)
             if isinstance(message, WorkerFailure):
                 message.reraise(epoch)
-            return Collected(message, 0.0, 0.0, 0.0)
+            return Collected(message, 0.0, 0.0, 0.0, message.worker_id)
         batch = message.batch
         if slots is not None:
             slots.settle(task.slot, batch)
             if batch[0] is not None:
                 slots.warn_if_shm_small(batch[1], self._config.prefetch + _SPARE_SLOTS)  # once per loader
             batch = slots.rebuild(batch)
-        return Collected(batch, message.fetch_s, message.batchify_s, time.perf_counter() - ready)
+        return Collected(batch, message.fetch_s, message.batchify_s, time.perf_counter() - ready, message.worker_id)
 
     def _wait(self, task: _Task) -> None:
         started = time.perf_counter()

@@ -76,6 +76,13 @@ class Cursor:
 
 
 def _fetch_samples(dataset: Any, keys: list[Any], cursor: Cursor) -> list[Any]:
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:  # torch's batched protocol (HuggingFace datasets): one call per batch
+        batch = list(getitems(keys))
+        if len(batch) != len(keys):
+            raise ValueError(f"{type(dataset).__name__}.__getitems__ returned {len(batch)} samples for "
+                             f"{len(keys)} keys; it must return one sample per key, in order")
+        return batch
     samples: list[Any] = []
     append, load = samples.append, dataset.__getitem__
     for key in keys:
@@ -123,4 +130,4 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, slot: s
         samples = _fetch_samples(registration.dataset, decode_keys(work), cursor)
     fetched = time.perf_counter()
     batch = writer.write(registration.batchify_fn, samples, slot, slot_capacity, registration.prefix)
-    return Loaded(batch, fetched - started, time.perf_counter() - fetched)
+    return Loaded(batch, fetched - started, time.perf_counter() - fetched, worker_id)

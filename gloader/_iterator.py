@@ -8,11 +8,12 @@ process; the flow is drawn in `_engine`.
 """
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
 from ._device import PinThread
-from ._engine import Engine
+from ._engine import Collected, Engine
 from ._options import LoaderConfig
 from ._protocol import BatchTimeoutError, ShardEnd, WorkerExitedError
 from ._schedule import Epoch, Schedule
@@ -22,41 +23,80 @@ __all__ = ["EpochIterator"]
 
 
 class _HostBatches:
-    """The host batches of one epoch, in order, from the engine."""
+    """The host batches of one map-style epoch, in order, from the engine."""
 
     def __init__(self, engine: Engine, schedule: Schedule, epoch: Epoch, stats: PipelineStats) -> None:
         self._engine = engine
         self._schedule = schedule
         self._epoch = epoch
         self._stats = stats
-        self._shards_ended: set[int] = set()
+        self.collected = 0  # batches taken from the engine (by the caller or the pin thread)
         self.ended = False  # no batch will come: the epoch is over, or its workers were stopped
 
     def _next_job(self) -> Any:
         return self._schedule.next_job(self._epoch)
 
-    def next(self) -> Any:
-        """The epoch's next batch; StopIteration at its end."""
-        while not self.ended:
-            self._engine.fill(self._next_job)
-            try:
-                got = self._engine.collect(self._epoch.number)
-            except (WorkerExitedError, BatchTimeoutError):
-                # The engine stopped the workers; batches opened ahead were lost with them.
-                self.ended = True
-                self._schedule.drop_upcoming()
-                raise
-            if got is None:  # nothing of this epoch in flight and nothing left to dispatch
-                self.ended = True
-                break
-            if isinstance(got.batch, ShardEnd):
-                self._shards_ended.add(got.batch.worker_id)
-                if len(self._shards_ended) >= self._engine.shards:
-                    self._epoch.mark_exhausted()
-                continue
+    def _collect(self) -> Collected | None:
+        """The engine's next result of this epoch, None when it has none left."""
+        self._engine.fill(self._next_job)
+        try:
+            got = self._engine.collect(self._epoch.number)
+        except (WorkerExitedError, BatchTimeoutError):
+            # The engine stopped the workers; batches opened ahead were lost with them.
+            self.ended = True
+            self._schedule.drop_upcoming()
+            raise
+        if got is None:  # nothing of this epoch in flight and nothing left to dispatch
+            self.ended = True
+        elif not isinstance(got.batch, ShardEnd):
+            self.collected += 1
             self._stats.record_work(self._epoch.number, got.fetch_s, got.batchify_s, got.handover_s)
             self._engine.fill(self._next_job)  # the window's freed place goes to work at once
-            return got.batch
+        return got
+
+    def next(self) -> Any:
+        """The epoch's next batch; StopIteration at its end."""
+        got = None if self.ended else self._collect()
+        if got is None:
+            raise StopIteration
+        return got.batch
+
+
+class _StreamBatches(_HostBatches):
+    """A stream epoch's batches in a fixed order whatever the timing: each worker answers from
+    its own shard, and the shards take turns (shard 0's first batch, shard 1's first, ...,
+    skipping ended shards), as torch's DataLoader orders them."""
+
+    def __init__(self, engine: Engine, schedule: Schedule, epoch: Epoch, stats: PipelineStats) -> None:
+        super().__init__(engine, schedule, epoch, stats)
+        self._waiting: dict[int, collections.deque[Any]] = {shard: collections.deque()
+                                                             for shard in range(engine.shards)}
+        self._live = list(range(engine.shards))  # shards still taking turns, in turn order
+        self._ended: set[int] = set()  # shards whose worker reported the end
+        self._turn = 0  # index into _live
+
+    def next(self) -> Any:
+        while self._live:
+            self._turn %= len(self._live)
+            shard = self._live[self._turn]
+            if self._waiting[shard]:
+                self._turn += 1
+                return self._waiting[shard].popleft()
+            if shard in self._ended:
+                self._live.pop(self._turn)  # the next shard takes this turn
+                if not self._live:
+                    self._epoch.mark_exhausted()
+                continue
+            got = None if self.ended else self._collect()
+            if got is None:  # nothing more will come: hand out what is waiting, in turn
+                self._ended.update(self._live)
+                continue
+            done = max(got.worker_id, 0)  # in-process loading is shard 0
+            if isinstance(got.batch, ShardEnd):
+                self._ended.add(done)
+            else:
+                self._waiting[done].append(got.batch)
+        self._engine.discard(self._epoch.number)  # tasks still out can only answer "shard ended"
         raise StopIteration
 
 
@@ -78,20 +118,21 @@ class EpochIterator:
         self._engine = engine
         self._stats = stats
         self._device = device
-        self._host = _HostBatches(engine, schedule, epoch, stats)
+        self._host = (_StreamBatches if config.stream is not None else _HostBatches)(engine, schedule, epoch, stats)
         self._ahead: Any = None
         self._ahead_error: BaseException | None = None
         self._replaced_by = ""
         self._bar = ProgressBar(epoch.number, epoch.remaining) if config.progress else None
-        self._pinner = PinThread(self, config.pin_device_id, config.timeout_s) if config.pin_memory else None
+        self._config = config
+        self._pinner: PinThread | None = None  # started by the first next(): a probe iter() fetches nothing
 
     def __iter__(self) -> EpochIterator:
         return self
 
     def __len__(self) -> int:
-        if self.epoch.remaining is None:
+        if self.epoch.length is None:
             raise TypeError("this epoch has no length (an IterableDataset, or a batch sampler without __len__)")
-        return self.epoch.remaining
+        return self.epoch.length
 
     def fetch(self) -> Any:
         """Next host batch of the epoch; called by the pin thread when there is one."""
@@ -123,7 +164,11 @@ class EpochIterator:
         return batch
 
     def _host_batch(self) -> Any:
-        return self._pinner.take() if self._pinner is not None else self._host.next()
+        if not self._config.pin_memory:
+            return self._host.next()
+        if self._pinner is None:
+            self._pinner = PinThread(self, self._config.pin_device_id, self._config.timeout_s)
+        return self._pinner.take()
 
     def _next_batch(self) -> Any:
         device = self._device
@@ -145,12 +190,19 @@ class EpochIterator:
             self._ahead_error = exc
         return device.hand_over(*current)
 
-    def stop(self, reason: str) -> None:
-        """End this iterator: stop its pin thread, drop its epoch's batches in flight; its next
-        use raises, naming `reason` ("a newer iter(loader)", "load_state_dict", "close")."""
+    @property
+    def untouched(self) -> bool:
+        """Nothing of the epoch was taken yet (an iterator made and dropped, as Lightning's probe)."""
+        return not self.finished and self._pinner is None and self._host.collected == 0 and not self._host.ended
+
+    def stop(self, reason: str, keep_epoch: bool = False) -> None:
+        """End this iterator: stop its pin thread and (unless `keep_epoch`, for a successor
+        serving the same epoch) drop its epoch's batches in flight; its next use raises,
+        naming `reason` ("a newer iter(loader)", "load_state_dict", "close")."""
         if self._pinner is not None:
             self._pinner.stop()
             self._pinner = None
         if not self.finished:
-            self._engine.discard(self.epoch.number)
+            if not keep_epoch:
+                self._engine.discard(self.epoch.number)
             self._replaced_by = reason

@@ -9,27 +9,37 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Callable
+import os
+import warnings
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from ._checks import check_last_batch, check_non_negative_int, check_positive_int, check_start_method, is_int
+from ._math import ceil_div
 from ._pool import WorkerPool
 from ._protocol import StreamRequest
-from .batchify import default_batchify_fn
+from ._seed import draw_base_seed
+from .batchify import EachSample, default_batchify_fn
 from .dataset import IterableDataset
-from .sampler import BatchSampler, RandomSampler, SequentialSampler, dataset_length
+from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, dataset_length
 
 __all__ = ["LoaderConfig"]
+
+# num_workers above this many per CPU draws a warning at construction. Higher: fewer warnings
+# for deliberately oversubscribed I/O-bound loading; lower: earlier notice of contention.
+_OVERSUBSCRIBED_PER_CPU = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class LoaderConfig:
     """The loader's validated settings; made by `LoaderConfig.build` only.
 
-    `batch_sampler` decides a map-style epoch; `stream` is set instead for an IterableDataset.
-    `lookahead`: whether the next epoch's first batches may be dispatched before the caller
-    asks for them (see `build`).
+    `batch_sampler` decides a map-style epoch; `stream` is set instead for a stream dataset
+    (gloader's or torch's IterableDataset). `lookahead`: whether the next epoch's first batches
+    may be dispatched before the caller asks (see `build`). `seed` is the seed the user gave
+    (directly or through `generator`), `base_seed` the one in use. The fields after
+    `progress` are what torch's DataLoader exposes as attributes.
     """
 
     dataset: Any
@@ -47,52 +57,199 @@ class LoaderConfig:
     start_method: str | None
     worker_init_fn: Callable[[int], None] | None
     seed: int | None
+    base_seed: int
     pool: WorkerPool | None
     progress: bool
+    batch_size: int | None
+    sampler: Any
+    drop_last: bool
+    generator: torch.Generator | None
+    persistent_workers: bool
+    in_order: bool
+    stream_batches: int | None
+
+    @property
+    def prefetch_factor(self) -> int | None:
+        """torch's name: batches in flight per worker (None without workers)."""
+        return self.prefetch // self.num_workers if self.num_workers else None
 
     @classmethod
     def build(cls, *, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, last_batch: Any,
               batch_sampler: Any, batchify_fn: Any, num_workers: Any, pin_memory: Any, pin_device_id: Any,
               prefetch: Any, thread_pool: Any, timeout: Any, device: Any, worker_init_fn: Any, seed: Any,
-              start_method: Any, pool: Any, progress: Any) -> LoaderConfig:
-        """Check every argument and their combinations.
+              start_method: Any, pool: Any, progress: Any, collate_fn: Any = None, drop_last: Any = None,
+              persistent_workers: Any = None, prefetch_factor: Any = None, multiprocessing_context: Any = None,
+              generator: Any = None, in_order: Any = True) -> LoaderConfig:
+        """Check every argument and their combinations; torch's names are merged into Gluon's.
 
         Raises:
             TypeError, ValueError: naming the argument, the value given and what is allowed.
         """
+        batchify_fn = _one_of("batchify_fn", batchify_fn, "collate_fn", collate_fn)
+        last_batch = _merge_drop_last(last_batch, drop_last)
+        start_method = _one_of("start_method", start_method, "multiprocessing_context",
+                               _context_name(multiprocessing_context))
         if pool is not None:
             num_workers, thread_pool, start_method = _take_pool_settings(pool, num_workers, thread_pool,
                                                                          start_method)
         workers = check_non_negative_int("num_workers", num_workers)
-        depth = _check_prefetch(prefetch, workers)
-        timeout_s = _check_timeout(timeout)
         method = check_start_method(start_method)
+        _check_worker_options(workers, method, persistent_workers, prefetch, prefetch_factor)
+        depth = _check_prefetch(prefetch if prefetch_factor is None else
+                                check_positive_int("prefetch_factor", prefetch_factor) * workers, workers)
+        timeout_s = _check_timeout(timeout)
         if worker_init_fn is not None and not callable(worker_init_fn):
             raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
-        checked_seed = _check_seed(seed)
+        given_seed = _seed_from(seed, generator)
+        base_seed = given_seed if given_seed is not None else draw_base_seed()
         pin = bool(pin_memory)
         pin_id = _check_pin_device(pin, pin_device_id)
         target = _check_device(device)
         if batchify_fn is not None and not callable(batchify_fn):
             raise TypeError(f"batchify_fn must be callable or None, got {batchify_fn!r}")
-        is_stream = isinstance(dataset, IterableDataset)
-        if not hasattr(dataset, "__getitem__") and not is_stream:
-            raise TypeError(f"dataset must support __getitem__ and __len__ (or be a gloader.IterableDataset), "
-                            f"got {type(dataset).__name__}")
-        stream = _check_stream(batch_size, shuffle, sampler, last_batch, batch_sampler) if is_stream else None
-        batches = None if is_stream else _build_batch_sampler(dataset, batch_size, shuffle, sampler, last_batch,
-                                                              batch_sampler, checked_seed)
+        plan = _plan_batches(dataset, batch_size, shuffle, sampler, last_batch, batch_sampler, base_seed,
+                             batchify_fn)
         thread = bool(thread_pool)
+        _warn_about_setup(workers, plan.sampler, plan.stream is not None)
         # Dispatch the next epoch's first batches before the caller asks only when this loader
         # built the sampler (a user's may change between epochs: DistributedSampler.set_epoch)
         # and workers are processes: they hold their own copy of the dataset, whereas threads
         # would load the next epoch from a dataset the caller may still change between epochs.
-        lookahead = sampler is None and batch_sampler is None and not is_stream and workers > 0 and not thread
-        return cls(dataset=dataset, batch_sampler=batches, stream=stream,
-                   batchify_fn=batchify_fn or default_batchify_fn, lookahead=lookahead, num_workers=workers,
-                   prefetch=depth, thread_pool=thread, timeout_s=timeout_s, pin_memory=pin, pin_device_id=pin_id,
-                   device=target, start_method=method, worker_init_fn=worker_init_fn, seed=checked_seed, pool=pool,
-                   progress=bool(progress))
+        lookahead = (sampler is None and batch_sampler is None and plan.stream is None and workers > 0
+                     and not thread)
+        return cls(dataset=dataset, batch_sampler=plan.batch_sampler, stream=plan.stream,
+                   batchify_fn=plan.batchify_fn, lookahead=lookahead, num_workers=workers, prefetch=depth,
+                   thread_pool=thread, timeout_s=timeout_s, pin_memory=pin, pin_device_id=pin_id, device=target,
+                   start_method=method, worker_init_fn=worker_init_fn, seed=given_seed, base_seed=base_seed,
+                   pool=pool, progress=bool(progress), batch_size=plan.batch_size, sampler=plan.sampler,
+                   drop_last=plan.drop_last, generator=generator, persistent_workers=True,
+                   in_order=_check_bool("in_order", in_order), stream_batches=plan.stream_batches)
+
+
+def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:
+    """The value of a setting that has a Gluon name and a torch name; both given is an error."""
+    if gluon_value is not None and torch_value is not None:
+        raise ValueError(f"{gluon_name}={gluon_value!r} and {torch_name}={torch_value!r} are the same setting "
+                         f"(Gluon's and torch's name for it); pass only one")
+    return torch_value if gluon_value is None else gluon_value
+
+
+def _merge_drop_last(last_batch: Any, drop_last: Any) -> Any:
+    if drop_last is None:
+        return last_batch
+    if not isinstance(drop_last, bool):
+        raise TypeError(f"drop_last must be True, False or None, got {drop_last!r}")
+    return _one_of("last_batch", last_batch, "drop_last", "discard" if drop_last else "keep")
+
+
+def _context_name(context: Any) -> str | None:
+    """torch's multiprocessing_context: a start method's name or a context object."""
+    if context is None or isinstance(context, str):
+        return context
+    get = getattr(context, "get_start_method", None)
+    if get is None:
+        raise TypeError(f"multiprocessing_context must be a start method's name or a multiprocessing context, "
+                        f"got {context!r}")
+    return str(get())
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _check_worker_options(workers: int, start_method: Any, persistent_workers: Any, prefetch: Any,
+                          prefetch_factor: Any) -> None:
+    """Options that mean something only with workers, as torch checks them."""
+    if persistent_workers is not None:
+        _check_bool("persistent_workers", persistent_workers)  # workers always persist: accepted
+    if workers == 0:
+        for name, value in (("start_method (or multiprocessing_context)", start_method),
+                            ("prefetch_factor", prefetch_factor), ("persistent_workers", persistent_workers or None)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} needs worker processes, but num_workers=0 loads in the "
+                                 "calling thread; set num_workers >= 1 or leave it out")
+    if prefetch is not None and prefetch_factor is not None:
+        raise ValueError(f"prefetch={prefetch!r} and prefetch_factor={prefetch_factor!r} set the same window "
+                         "(total in flight, or per worker); pass only one")
+
+
+def _seed_from(seed: Any, generator: Any) -> int | None:
+    checked = _check_seed(seed)
+    if generator is None:
+        return checked
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
+    if checked is not None:
+        raise ValueError(f"seed={seed!r} and generator= both choose the seed; pass only one")
+    return draw_base_seed(generator)
+
+
+_WARNED: set[str] = set()  # warnings given once per process (see _warn_about_setup)
+
+
+def _warn_about_setup(workers: int, sampler: Any, is_stream: bool) -> None:
+    """Warn about setups that work but are likely mistakes, as torch's DataLoader does."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers > _OVERSUBSCRIBED_PER_CPU * cpus:
+        warnings.warn(f"num_workers={workers} is far above the {cpus} CPUs this process may use; workers will "
+                      f"compete for them and loading gets slower, not faster. Try num_workers={cpus}.",
+                      UserWarning, stacklevel=4)
+    if is_stream or "distributed" in _WARNED or not torch.distributed.is_available():
+        return
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2:
+        return
+    if not isinstance(sampler, (DistributedSampler, torch.utils.data.DistributedSampler)):
+        _WARNED.add("distributed")
+        warnings.warn(f"torch.distributed runs {torch.distributed.get_world_size()} ranks, but this DataLoader's "
+                      "sampler is not distributed, so every rank loads the whole dataset; pass "
+                      "sampler=gloader.sampler.DistributedSampler(len(dataset)) (or torch's DistributedSampler)",
+                      UserWarning, stacklevel=4)
+
+
+class _BatchPlan(NamedTuple):
+    batch_sampler: Any
+    stream: StreamRequest | None
+    batchify_fn: Callable[[list[Any]], Any]
+    batch_size: int | None
+    sampler: Any
+    drop_last: bool
+    stream_batches: int | None
+
+
+def _plan_batches(dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, last_batch: Any, batch_sampler: Any,
+                  base_seed: int, batchify_fn: Any) -> _BatchPlan:
+    """How the dataset becomes batches: the batch sampler (or stream request) and the batchify."""
+    is_stream = isinstance(dataset, (IterableDataset, torch.utils.data.IterableDataset))
+    if not hasattr(dataset, "__getitem__") and not is_stream:
+        raise TypeError(f"dataset must support __getitem__ and __len__ (or be a gloader.IterableDataset), "
+                        f"got {type(dataset).__name__}")
+    unbatched = batch_size is None and batch_sampler is None
+    if unbatched and check_last_batch(last_batch) != "keep":
+        raise ValueError(f"batch_size=None loads one sample at a time (torch's unbatched mode); last_batch="
+                         f"{last_batch!r} (or drop_last) has no batch to drop or carry over")
+    fn = EachSample(batchify_fn) if unbatched else (batchify_fn or default_batchify_fn)
+    size = 1 if unbatched else batch_size
+    if is_stream:
+        stream = _check_stream(size, shuffle, sampler, last_batch, batch_sampler)
+        return _BatchPlan(None, stream, fn, None if unbatched else stream.batch_size, None,
+                          not stream.keep_last, _stream_batches(dataset, stream))
+    batches = _build_batch_sampler(dataset, size, shuffle, sampler, last_batch, batch_sampler, base_seed)
+    index_sampler = getattr(batches, "sampler", None)
+    if batch_sampler is not None:
+        return _BatchPlan(batches, None, fn, None, index_sampler, False, None)
+    return _BatchPlan(batches, None, fn, None if unbatched else batches.batch_size, index_sampler,
+                      batches.drop_last, None)
+
+
+def _stream_batches(dataset: Any, stream: StreamRequest) -> int | None:
+    """Batches of a stream whose dataset has `__len__` (torch's rule), else None."""
+    try:
+        samples = len(dataset)
+    except TypeError:
+        return None
+    return ceil_div(samples, stream.batch_size) if stream.keep_last else samples // stream.batch_size
 
 
 def _take_pool_settings(pool: Any, num_workers: Any, thread_pool: Any,
@@ -114,8 +271,6 @@ def _check_stream(batch_size: Any, shuffle: Any, sampler: Any, last_batch: Any,
                   batch_sampler: Any) -> StreamRequest:
     if shuffle or sampler is not None or batch_sampler is not None:
         raise ValueError("an IterableDataset has no indices: shuffle, sampler and batch_sampler are not allowed")
-    if batch_size is None:
-        raise ValueError("batch_size must be given for an IterableDataset, got batch_size=None")
     size = check_positive_int("batch_size", batch_size)
     mode = check_last_batch(last_batch)
     if mode == "rollover":
@@ -126,7 +281,8 @@ def _check_stream(batch_size: Any, shuffle: Any, sampler: Any, last_batch: Any,
 def _build_batch_sampler(dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, last_batch: Any,
                          batch_sampler: Any, seed: Any) -> Any:
     if batch_sampler is not None:
-        given = {"batch_size": batch_size, "shuffle": shuffle or None, "sampler": sampler, "last_batch": last_batch}
+        given = {"batch_size": None if batch_size == 1 else batch_size, "shuffle": shuffle or None,
+                 "sampler": sampler, "last_batch": last_batch}
         clashing = sorted(name for name, value in given.items() if value is not None)
         if clashing:
             raise ValueError(f"batch_sampler excludes {', '.join(clashing)}; pass either batch_sampler or "
@@ -134,8 +290,6 @@ def _build_batch_sampler(dataset: Any, batch_size: Any, shuffle: Any, sampler: A
         if not hasattr(batch_sampler, "__iter__"):
             raise TypeError(f"batch_sampler must be iterable, got {type(batch_sampler).__name__}")
         return batch_sampler
-    if batch_size is None:
-        raise ValueError("batch_size must be given unless batch_sampler is given, got batch_size=None")
     mode = check_last_batch(last_batch)
     if sampler is None:
         length = dataset_length(dataset)

@@ -55,9 +55,13 @@ def _pickler_class() -> Any:
     return _PICKLER
 
 
+def _pickler(buffer: io.BytesIO) -> Any:
+    return _pickler_class()(buffer, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
+
+
 def _dumps(obj: Any) -> bytes:
     buffer = io.BytesIO()
-    _pickler_class()(buffer, protocol=pickle.HIGHEST_PROTOCOL, recurse=True).dump(obj)
+    _pickler(buffer).dump(obj)
     return buffer.getvalue()
 
 
@@ -83,28 +87,30 @@ def find_unpicklable(obj: Any, path: str, depth: int = 0) -> str:
     return f"{path} ({type(obj).__name__})"
 
 
-def _dump_part(name: str, obj: Any) -> bytes | None:
-    if obj is None:
-        return None
-    try:
-        return _dumps(obj)
-    except Exception as exc:
-        culprit = find_unpicklable(obj, name)
-        raise TypeError(f"the {name} cannot be pickled for the workers ({type(exc).__name__}: {exc}); the "
-                        f"first part that fails is {culprit}. Open files, locks, sockets, generators and "
-                        "database handles cannot be sent to another process: open them lazily inside "
-                        "__getitem__ (or in worker_init_fn), or use start_method='fork' or "
-                        "thread_pool=True") from exc
+def _unpicklable_error(name: str, obj: Any, exc: Exception) -> TypeError:
+    culprit = find_unpicklable(obj, name)
+    return TypeError(f"the {name} cannot be pickled for the workers ({type(exc).__name__}: {exc}); the "
+                     f"first part that fails is {culprit}. Open files, locks, sockets, generators and "
+                     "database handles cannot be sent to another process: open them lazily inside "
+                     "__getitem__ (or in worker_init_fn), or use start_method='fork' or thread_pool=True")
 
 
 def build_payload(dataset: Any, batchify_fn: Any, worker_init_fn: Any, base_seed: int, prefix: str,
                   pickled: bool) -> Payload:
-    """Return a loader's payload; with `pickled`, each part is dill bytes.
+    """Return a loader's payload; with `pickled`, the three parts are dumped one after another
+    by one dill pickler, so objects they share (a bound method's dataset) stay one object.
 
     Raises:
         TypeError: when a part cannot be pickled, naming the part and the attribute path.
     """
+    parts = (dataset, batchify_fn, worker_init_fn)
     if not pickled:
-        return Payload(dataset, batchify_fn, worker_init_fn, base_seed, prefix, False)
-    return Payload(_dump_part("dataset", dataset), _dump_part("batchify function", batchify_fn),
-                   _dump_part("worker_init_fn", worker_init_fn), base_seed, prefix, True)
+        return Payload(parts, base_seed, prefix, False)
+    buffer = io.BytesIO()
+    pickler = _pickler(buffer)
+    for name, part in zip(("dataset", "batchify function", "worker_init_fn"), parts):
+        try:
+            pickler.dump(part)
+        except Exception as exc:
+            raise _unpicklable_error(name, part, exc) from exc
+    return Payload(buffer.getvalue(), base_seed, prefix, True)

@@ -207,7 +207,7 @@ class PoolCore:
         """Register a loader on the running pool. Thread workers share this process's registry;
         process workers read the payload file at their first task for the loader."""
         if self.is_thread:
-            register_loader(loader_id, payload, 0, self.num_workers)
+            register_loader(loader_id, payload, 0, self.num_workers, seeds_globals=False)
             return
         path = os.path.join(self.payload_dir, f"{loader_id}.pkl")
         with open(path + ".tmp", "wb") as handle:

@@ -45,6 +45,7 @@ class Loaded(NamedTuple):
     batch: Any
     fetch_s: float
     batchify_s: float
+    worker_id: int
 
 
 class ShardEnd(NamedTuple):

@@ -9,14 +9,18 @@ file on the worker's first task for it. Never imports caller-side code.
 from __future__ import annotations
 
 import dataclasses
+import io
 import threading
 import traceback
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
+from ._seed import seed_global_rng
+
 __all__ = ["Payload", "Registration", "WorkerInfo", "get_worker_info", "lookup", "register_loader",
-           "registered_from_file", "registered_ids", "set_current_info", "unregister_loader"]
+           "registered_from_file", "registered_ids", "set_current_info", "set_torch_worker_info",
+           "unregister_loader"]
 
 
 class WorkerInfo(NamedTuple):
@@ -41,11 +45,14 @@ class WorkerInfo(NamedTuple):
 
 @dataclasses.dataclass
 class Payload:
-    """What a loader ships to its workers. Parts are objects, or dill bytes under spawn."""
+    """What a loader ships to its workers.
 
-    dataset: Any
-    batchify_fn: Any
-    worker_init_fn: Any
+    `parts` is (dataset, batchify_fn, worker_init_fn), or, when `pickled`, dill bytes of the
+    three dumped one after another by one pickler: one object graph, so a `worker_init_fn`
+    that is a method of the dataset configures the very dataset that loads.
+    """
+
+    parts: Any
     base_seed: int
     prefix: str
     pickled: bool
@@ -63,6 +70,7 @@ class Registration:
     error_traceback: str = ""
     error_context: str = ""
     from_file: bool = False
+    torch_info: Any = None  # what torch.utils.data.get_worker_info() returns in a process worker
 
 
 _LOCK = threading.Lock()
@@ -84,49 +92,88 @@ def get_worker_info() -> WorkerInfo | None:
     return getattr(_LOCAL, "info", None)
 
 
-def _load_part(part: Any, pickled: bool) -> Any:
-    if not pickled or part is None:
-        return part
+_STAGE_FAILURES = {
+    "dataset": "the dataset could not be unpickled in the worker",
+    "batchify_fn": "the batchify function could not be unpickled in the worker",
+    "worker_init_fn": "worker_init_fn could not be unpickled in the worker",
+    "worker_init_fn call": "worker_init_fn raised",
+}
+
+
+def _load_parts(payload: Payload) -> Iterator[tuple[str, Any]]:
+    """(stage, part) for the dataset, the batchify function and worker_init_fn, in turn."""
+    names = ("dataset", "batchify_fn", "worker_init_fn")
+    if not payload.pickled:
+        yield from zip(names, payload.parts)
+        return
     import dill
 
-    return dill.loads(part)
+    unpickler = dill.Unpickler(io.BytesIO(payload.parts))  # one memo: shared objects stay shared
+    for name in names:
+        yield name, unpickler.load()
 
 
-def register_loader(loader_id: int, payload: Payload, worker_id: int, num_workers: int,
+def _torch_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Any) -> Any:
+    """torch's own WorkerInfo, so that datasets written for torch find their shard."""
+    try:
+        from torch.utils.data._utils.worker import WorkerInfo as TorchWorkerInfo
+
+        return TorchWorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
+    except Exception:  # a torch without this private class: torch's get_worker_info() stays None
+        return None
+
+
+def register_loader(loader_id: int, payload: Payload, worker_id: int, num_workers: int, seeds_globals: bool,
                     from_file: bool = False) -> None:
     """Register a loader in this worker and run its `worker_init_fn(worker_id)`. Never raises.
 
-    A failure (unpickling, `worker_init_fn`) is kept in the registration and reported by the
-    loader's first task, so that a pool initializer never fails and respawns in a loop.
+    The worker's seed is the loader's base seed plus the worker id (torch's rule); with
+    `seeds_globals` (process workers) `random`, numpy and torch are seeded from it before
+    `worker_init_fn` runs. A failure (unpickling, `worker_init_fn`) is kept in the
+    registration and reported by the loader's first task, so that a pool initializer never
+    fails and respawns in a loop.
     """
     registration = Registration(base_seed=payload.base_seed, prefix=payload.prefix, from_file=from_file)
+    seed = (payload.base_seed + worker_id) & ((1 << 63) - 1)
     stage = "dataset"
     try:
-        registration.dataset = _load_part(payload.dataset, payload.pickled)
-        stage = "batchify_fn"
-        registration.batchify_fn = _load_part(payload.batchify_fn, payload.pickled)
-        stage = "worker_init_fn"
-        worker_init_fn = _load_part(payload.worker_init_fn, payload.pickled)
-        if worker_init_fn is not None:
+        parts = {}
+        for stage, part in _load_parts(payload):
+            parts[stage] = part
+        registration.dataset, registration.batchify_fn = parts["dataset"], parts["batchify_fn"]
+        if seeds_globals:
+            registration.torch_info = _torch_worker_info(worker_id, num_workers, seed, registration.dataset)
+        if parts["worker_init_fn"] is not None:
             stage = "worker_init_fn call"
-            seed = (payload.base_seed + worker_id) & ((1 << 63) - 1)
-            set_current_info(WorkerInfo(worker_id, num_workers, seed, registration.dataset,
-                                        np.random.default_rng(seed)))
-            try:
-                worker_init_fn(worker_id)
-            finally:
-                set_current_info(None)
+            _run_worker_init_fn(parts["worker_init_fn"], registration, worker_id, num_workers, seed, seeds_globals)
     except BaseException as exc:  # reported by the first task; see docstring
         registration.error = exc
         registration.error_traceback = traceback.format_exc()
-        registration.error_context = {
-            "dataset": "the dataset could not be unpickled in the worker",
-            "batchify_fn": "the batchify function could not be unpickled in the worker",
-            "worker_init_fn": "worker_init_fn could not be unpickled in the worker",
-            "worker_init_fn call": "worker_init_fn raised",
-        }[stage]
+        registration.error_context = _STAGE_FAILURES[stage]
     with _LOCK:
         _LOADERS[loader_id] = registration
+
+
+def _run_worker_init_fn(fn: Any, registration: Registration, worker_id: int, num_workers: int, seed: int,
+                        seeds_globals: bool) -> None:
+    if seeds_globals:
+        seed_global_rng(seed)
+        set_torch_worker_info(registration.torch_info)
+    set_current_info(WorkerInfo(worker_id, num_workers, seed, registration.dataset, np.random.default_rng(seed)))
+    try:
+        fn(worker_id)
+    finally:
+        set_current_info(None)
+
+
+def set_torch_worker_info(info: Any) -> None:
+    """Make `torch.utils.data.get_worker_info()` return `info` in this process worker."""
+    try:
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch_worker._worker_info = info
+    except Exception:
+        pass
 
 
 def unregister_loader(loader_id: int) -> None:

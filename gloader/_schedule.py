@@ -131,14 +131,15 @@ class Schedule:
         return Job(epoch.number, index, derive_batch_seed(self.base_seed, epoch.number, index), work)
 
     def length(self, served: Epoch | None, finished: bool) -> int | None:
-        """Batches in the epoch the current (or next) iterator serves, after a resume's skip."""
+        """Batches in the whole epoch the current (or next) iterator serves, those a resumed
+        epoch skips included (torch's StatefulDataLoader counts them; Lightning relies on it)."""
         if served is not None and not finished:
-            return served.remaining
+            return served.length
         if self._upcoming is not None:
-            return self._upcoming.remaining
+            return self._upcoming.length
         if self._stream is not None or not hasattr(self._sampler, "__len__"):
             return None
-        return len(self._sampler) - self._resume_skip
+        return len(self._sampler)
 
     def state_dict(self, served: Epoch | None, yielded: int, finished: bool) -> dict[str, Any]:
         """Where the caller stands, given the epoch its latest iterator serves and the batches of

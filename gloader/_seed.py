@@ -18,9 +18,11 @@ __all__ = ["derive_batch_seed", "draw_base_seed", "preserved_global_rng", "seed_
 _SEED_MASK = (1 << 63) - 1
 
 
-def draw_base_seed() -> int:
-    """Return a fresh 63-bit seed from the operating system's entropy."""
-    return int(np.random.SeedSequence().generate_state(2, np.uint64)[0]) & _SEED_MASK
+def draw_base_seed(generator: torch.Generator | None = None) -> int:
+    """Draw a 63-bit seed from `generator`, or from torch's default generator (as torch's
+    DataLoader draws its base seed), so that `torch.manual_seed(s)` reproduces a run."""
+    value = torch.empty((), dtype=torch.int64).random_(generator=generator).item()
+    return int(value) & _SEED_MASK
 
 
 _MASK64 = (1 << 64) - 1

@@ -158,7 +158,8 @@ class _ProcessLink:
                     payload = pickle.load(handle)
             except FileNotFoundError:
                 return None
-            _registry.register_loader(loader_id, payload, state.worker_id, state.num_workers, from_file=True)
+            _registry.register_loader(loader_id, payload, state.worker_id, state.num_workers, state.crosses_process,
+                                     from_file=True)
             registration = _registry.lookup(loader_id)
         return registration
 
@@ -226,6 +227,8 @@ def execute(state: WorkerState, registration: Registration, loader_id: int, epoc
             if state.worker_id >= 0:
                 _registry.set_current_info(WorkerInfo(state.worker_id, state.num_workers, seed,
                                                       registration.dataset, np.random.default_rng(seed)))
+            if state.crosses_process:  # torch's get_worker_info() is process-wide: not for threads
+                _registry.set_torch_worker_info(registration.torch_info)
             return load_batch(registration, loader_id, epoch, work, slot, slot_capacity, state.writer,
                               state.streams, state.worker_id, cursor)
     except BaseException as exc:
@@ -288,7 +291,7 @@ def _claim_worker_id(spec: PoolSpec) -> tuple[int, int]:
 
 def _register_all(state: WorkerState, registrations: list[tuple[int, Payload]]) -> None:
     for loader_id, payload in registrations:
-        _registry.register_loader(loader_id, payload, state.worker_id, state.num_workers)
+        _registry.register_loader(loader_id, payload, state.worker_id, state.num_workers, state.crosses_process)
 
 
 def initialize_thread_worker(spec: PoolSpec, registrations: list[tuple[int, Payload]]) -> None:

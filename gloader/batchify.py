@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ._math import round_up
-from ._tree import Leaf, Opaque, as_torch_dtype, materialize, plan_from_value
+from ._tree import Leaf, Opaque, as_torch_dtype, map_structure, materialize, plan_from_value
 
 __all__ = ["Append", "AsList", "Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn",
            "plan_batch"]
@@ -394,3 +394,23 @@ class Append(_Batchify):
                 np.ascontiguousarray(sample))
             out.append(plan_from_value(tensor.unsqueeze(self._batch_axis) if self._expand else tensor))
         return out
+
+
+def _scalar_to_tensor(value: Any) -> Any:
+    if isinstance(value, np.generic) and as_torch_dtype(value.dtype) is not None and value.dtype.kind not in "US":
+        return torch.as_tensor(value)
+    return value
+
+
+class EachSample(_Batchify):  # used by the loader for batch_size=None; not part of the API
+    """torch's unbatched mode (`batch_size=None`): each batch is one sample, given to `fn`,
+    or by default converted as torch's `default_convert` does (numpy arrays and numeric
+    numpy scalars become tensors; containers keep their shape)."""
+
+    def __init__(self, fn: Callable[[Any], Any] | None = None) -> None:
+        self.fn = fn
+
+    def _gloader_plan(self, samples: list[Any]) -> Any:
+        if self.fn is not None:
+            return plan_from_value(self.fn(samples[0]))
+        return plan_from_value(map_structure(_scalar_to_tensor, samples[0]))

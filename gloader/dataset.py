@@ -7,23 +7,28 @@ Nothing here starts a process or touches CUDA.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 
 from .sampler import dataset_length
 
 __all__ = ["ArrayDataset", "Dataset", "IterableDataset", "SimpleDataset"]
 
+_T_co = TypeVar("_T_co", covariant=True)
 
-class Dataset:
-    """Base class of map-style datasets: subclasses implement `__getitem__` and `__len__`."""
 
-    def __getitem__(self, idx: int) -> Any:
+class Dataset(Generic[_T_co]):
+    """Base class of map-style datasets: subclasses implement `__getitem__` and `__len__`.
+
+    Generic in its sample type, as torch's is: `class Images(gloader.Dataset[Tensor])`.
+    """
+
+    def __getitem__(self, idx: int) -> _T_co:
         raise NotImplementedError
 
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def transform(self, fn: Callable[..., Any], lazy: bool = True) -> Dataset:
+    def transform(self, fn: Callable[..., Any], lazy: bool = True) -> Dataset[Any]:
         """Return a dataset whose samples are `fn(sample)` (`fn(*sample)` for tuple samples).
 
         Args:
@@ -37,7 +42,7 @@ class Dataset:
             return transformed
         return SimpleDataset([transformed[i] for i in range(len(transformed))])
 
-    def transform_first(self, fn: Callable[[Any], Any], lazy: bool = True) -> Dataset:
+    def transform_first(self, fn: Callable[[Any], Any], lazy: bool = True) -> Dataset[Any]:
         """Like `transform`, but `fn` sees only the first element of each tuple sample.
 
         Typical use: augment the image and leave the label alone.
@@ -46,13 +51,13 @@ class Dataset:
             raise TypeError(f"fn must be callable, got {fn!r}")
         return self.transform(_TransformFirst(fn), lazy)
 
-    def filter(self, fn: Callable[[Any], bool]) -> Dataset:
+    def filter(self, fn: Callable[[Any], bool]) -> Dataset[Any]:
         """Return the samples for which `fn(sample)` is true (evaluated now, once)."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
         return _SampledDataset(self, [i for i in range(len(self)) if fn(self[i])])
 
-    def shard(self, num_shards: int, index: int) -> Dataset:
+    def shard(self, num_shards: int, index: int) -> Dataset[Any]:
         """Return contiguous shard `index` of `num_shards`; lengths differ by at most one."""
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be an integer >= 1, got {num_shards!r}")
@@ -62,7 +67,7 @@ class Dataset:
         start = size * index + min(index, rest)
         return _SampledDataset(self, range(start, start + size + (index < rest)))
 
-    def take(self, count: int | None) -> Dataset:
+    def take(self, count: int | None) -> Dataset[Any]:
         """Return the first `count` samples (all of them for None or a count past the end)."""
         if count is None:
             count = len(self)
@@ -70,12 +75,12 @@ class Dataset:
             raise ValueError(f"count must be an integer >= 0 or None, got {count!r}")
         return _SampledDataset(self, range(min(count, len(self))))
 
-    def sample(self, sampler: Iterable[int]) -> Dataset:
+    def sample(self, sampler: Iterable[int]) -> Dataset[Any]:
         """Return the samples at the indices that `sampler` yields, in that order."""
         return _SampledDataset(self, list(sampler))
 
 
-class SimpleDataset(Dataset):
+class SimpleDataset(Dataset[Any]):
     """Wraps any indexable sequence (list, numpy array, tensor) as a Dataset.
 
     Args:
@@ -93,7 +98,7 @@ class SimpleDataset(Dataset):
         return self._data[idx]
 
 
-class ArrayDataset(Dataset):
+class ArrayDataset(Dataset[Any]):
     """Zips equally long arrays: sample `i` is `(a[i], b[i], ...)`, or `a[i]` for one array.
 
     Args:
@@ -121,14 +126,15 @@ class ArrayDataset(Dataset):
         return tuple(a[idx] for a in self._data)
 
 
-class IterableDataset:
-    """Base class of stream datasets: subclasses implement `__iter__` only.
+class IterableDataset(Generic[_T_co]):
+    """Base class of stream datasets: subclasses implement `__iter__` only (generic in the
+    sample type). A `torch.utils.data.IterableDataset` is a stream too.
 
     With workers, every worker iterates the same object; each must yield only its own shard,
     found through `gloader.get_worker_info()` (`id`, `num_workers`; None in the main process).
     """
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[_T_co]:
         raise NotImplementedError
 
 
@@ -144,7 +150,7 @@ class _TransformFirst:
         return self._fn(first)
 
 
-class _LazyTransformDataset(Dataset):
+class _LazyTransformDataset(Dataset[Any]):
     def __init__(self, data: Any, fn: Callable[..., Any]) -> None:
         self._data = data
         self._fn = fn
@@ -159,7 +165,7 @@ class _LazyTransformDataset(Dataset):
         return self._fn(item)
 
 
-class _SampledDataset(Dataset):
+class _SampledDataset(Dataset[Any]):
     def __init__(self, data: Any, indices: Sequence[int]) -> None:
         self._data = data
         self._indices = indices

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from . import _pool
 from ._device import DevicePipeline, warn_if_cannot_pin
@@ -19,21 +19,39 @@ from ._options import LoaderConfig
 from ._payload import build_payload
 from ._pool import WorkerPool
 from ._schedule import Schedule
-from ._seed import draw_base_seed
 from ._stats import PipelineStats
+from .batchify import EachSample
 
 __all__ = ["DataLoader"]
 
 _LOADER_IDS = itertools.count(1)
+_T_co = TypeVar("_T_co", covariant=True)
 
 
-class DataLoader:
+class _FromConfig:
+    """A read-only loader attribute, read from the loader's checked config."""
+
+    def __init__(self, field: str, doc: str) -> None:
+        self._field = field
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, loader: Any, owner: type) -> Any:
+        return self if loader is None else getattr(loader._options, self._field)
+
+    def __set__(self, loader: Any, value: Any) -> None:
+        raise AttributeError(f"DataLoader.{self._name} is read-only; build a new DataLoader to change it")
+
+
+class DataLoader(Generic[_T_co]):
     """Loads batches from a dataset, in-process or on a persistent pool of workers.
 
     Args:
         dataset: any object with `__getitem__` and `__len__` (list, numpy array, tensor,
             `torch.utils.data.Dataset`, `gloader.Dataset`).
-        batch_size: samples per batch, >= 1; required unless `batch_sampler` is given.
+        batch_size: samples per batch, >= 1 (default 1); None: unbatched (see below).
         shuffle: draw a new permutation every epoch (excludes `sampler`).
         sampler: yields sample indices (excludes `shuffle`).
         last_batch: 'keep', 'discard' or 'rollover' (carry the remainder into the next epoch);
@@ -53,29 +71,46 @@ class DataLoader:
         pool: a `gloader.WorkerPool` to run on instead of starting one.
         progress: show a progress bar on stderr (batches/s and the share of time spent
             waiting for input) for every epoch.
+        collate_fn, drop_last, prefetch_factor, multiprocessing_context, generator: torch's
+            names, with torch's meaning: the batchify function; last_batch='discard' (True)
+            or 'keep' (False); batches in flight per worker; the start method (a name or a
+            context); a torch.Generator to draw the seed from. Passing both a torch name and
+            its Gluon counterpart is a ValueError.
+        persistent_workers, in_order: accepted for torch code; workers always persist across
+            epochs and batches always come in sampler order.
+
+    With `batch_size=None` (torch's unbatched mode) each sample is its own batch, converted
+    as torch's `default_convert` does (or passed to `collate_fn`). With `seed=None` the seed is
+    drawn from torch's default generator, so `torch.manual_seed(s)` reproduces a run.
+    torch's attributes (`dataset`, `batch_size`, `sampler`, `batch_sampler`, `drop_last`,
+    `num_workers`, `pin_memory`, `timeout`, `worker_init_fn`, `prefetch_factor`,
+    `collate_fn`, `generator`, ...) are readable.
 
     Raises:
         TypeError, ValueError: for a bad argument or combination, naming the value.
     """
 
-    def __init__(self, dataset: Any, batch_size: int | None = None, shuffle: bool = False, sampler: Any = None,
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool = False, sampler: Any = None,
                  last_batch: str | None = None, batch_sampler: Any = None,
                  batchify_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0,
                  pin_memory: bool = False, pin_device_id: int = 0, prefetch: int | None = None,
                  thread_pool: bool = False, timeout: float = 120, *, device: Any = None,
                  worker_init_fn: Callable[[int], None] | None = None, seed: int | None = None,
-                 start_method: str | None = None, pool: WorkerPool | None = None, progress: bool = False) -> None:
-        self._closed = True  # until built: close() on a half-built loader has nothing to do
+                 start_method: str | None = None, pool: WorkerPool | None = None, progress: bool = False,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool | None = None,
+                 persistent_workers: bool | None = None, prefetch_factor: int | None = None,
+                 multiprocessing_context: Any = None, generator: Any = None, in_order: bool = True) -> None:
         self._options = LoaderConfig.build(
             dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, last_batch=last_batch,
             batch_sampler=batch_sampler, batchify_fn=batchify_fn, num_workers=num_workers, pin_memory=pin_memory,
             pin_device_id=pin_device_id, prefetch=prefetch, thread_pool=thread_pool, timeout=timeout,
             device=device, worker_init_fn=worker_init_fn, seed=seed, start_method=start_method, pool=pool,
-            progress=progress)
+            progress=progress, collate_fn=collate_fn, drop_last=drop_last, persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context, generator=generator,
+            in_order=in_order)
         config = self._options
         self._id = next(_LOADER_IDS)
-        self._schedule = Schedule(config.batch_sampler, config.stream,
-                                  config.seed if config.seed is not None else draw_base_seed(), config.lookahead)
+        self._schedule = Schedule(config.batch_sampler, config.stream, config.base_seed, config.lookahead)
         self._engine = Engine(config, self._id, functools.partial(_make_payload, config, self._schedule))
         self._finalizer = weakref.finalize(self, self._engine.close_from_gc)
         self._device = DevicePipeline(config.device) if config.device is not None else None
@@ -86,11 +121,41 @@ class DataLoader:
             warn_if_cannot_pin()
         _pool.track(self._engine)
 
-    def __iter__(self) -> Iterator[Any]:
+    # torch's DataLoader attributes, read-only (the loader is built from them once).
+    dataset = _FromConfig("dataset", "The dataset batches are loaded from.")
+    batch_size = _FromConfig("batch_size", "Samples per batch; None with batch_sampler= or batch_size=None.")
+    sampler = _FromConfig("sampler", "The sampler that decides the order (call its set_epoch between "
+                                     "epochs); None for a stream or a batch_sampler without one.")
+    drop_last = _FromConfig("drop_last", "Whether a short last batch is dropped (last_batch='discard').")
+    num_workers = _FromConfig("num_workers", "Worker processes (or threads); 0 loads in the calling thread.")
+    pin_memory = _FromConfig("pin_memory", "Whether batches are pinned.")
+    timeout = _FromConfig("timeout_s", "Most seconds to wait for one batch.")
+    worker_init_fn = _FromConfig("worker_init_fn", "Called once in each worker with its id.")
+    prefetch_factor = _FromConfig("prefetch_factor", "Batches in flight per worker (None without workers).")
+    collate_fn = _FromConfig("batchify_fn", "The batchify function (torch's name).")
+    generator = _FromConfig("generator", "The torch.Generator the seed was drawn from, if one was given.")
+    persistent_workers = _FromConfig("persistent_workers", "Always True: workers persist across epochs.")
+    multiprocessing_context = _FromConfig("start_method", "The start method of the worker processes.")
+    in_order = _FromConfig("in_order", "Batches are always yielded in sampler order.")
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The batch sampler: the one given, or the one built from batch_size (None for a stream
+        or with batch_size=None)."""
+        opts = self._options
+        unbatched = isinstance(opts.batchify_fn, EachSample)
+        return None if opts.stream is not None or unbatched else opts.batch_sampler
+
+    def __iter__(self) -> Iterator[_T_co]:
         if self._closed:
             raise RuntimeError("this DataLoader is closed; create a new one")
-        self._end_iterator("a newer iter(loader)")
-        epoch = self._schedule.open()
+        previous = self._iterator
+        if previous is not None and previous.untouched:
+            previous.stop("a newer iter(loader)", keep_epoch=True)
+            epoch = previous.epoch  # a probe does not use up an epoch; its batches in flight serve on
+        else:
+            self._end_iterator("a newer iter(loader)")
+            epoch = self._schedule.open()
         self._iterator = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options,
                                        self._device)
         return self._iterator
@@ -104,11 +169,13 @@ class DataLoader:
         return (None, 0, False) if it is None else (it.epoch, it.yielded, it.finished)
 
     def __len__(self) -> int:
+        if self._options.stream is not None:
+            if self._options.stream_batches is None:
+                raise TypeError("a DataLoader over an IterableDataset has no length: the stream decides when "
+                                "it ends (give the dataset __len__ for torch's estimate)")
+            return self._options.stream_batches
         length = self._schedule.length(self._served()[0], self._served()[2])
         if length is None:
-            if self._options.stream is not None:
-                raise TypeError("a DataLoader over an IterableDataset has no length: the stream decides when "
-                                "it ends")
             raise TypeError("this DataLoader's batch_sampler has no __len__")
         return length
 
@@ -154,7 +221,7 @@ class DataLoader:
         self._finalizer.detach()
         self._engine.close()
 
-    def __enter__(self) -> DataLoader:
+    def __enter__(self) -> DataLoader[_T_co]:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -173,6 +173,24 @@ class BatchSampler(Sampler):
         self._last_batch = check_last_batch(last_batch)
         self._prev: list[Any] = []
 
+    @property
+    def sampler(self) -> Any:
+        """The sampler whose indices this one groups."""
+        return self._sampler
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def last_batch(self) -> str:
+        return self._last_batch
+
+    @property
+    def drop_last(self) -> bool:
+        """torch's name: whether a short last batch is dropped ('discard')."""
+        return self._last_batch == "discard"
+
     def __iter__(self) -> Iterator[list[Any]]:
         batch, self._prev = self._prev, []
         indices = iter(self._sampler)
@@ -211,7 +229,7 @@ class BatchSampler(Sampler):
             self._sampler.load_state_dict(state["sampler"])
 
 
-_DISTRIBUTED_MODES = ("pad", "discard")
+_DISTRIBUTED_MODES = ("pad", "discard", "keep")
 
 
 def _default_distributed(name: str) -> int:
@@ -238,7 +256,9 @@ class DistributedSampler(Sampler):
         seed: shared by all ranks.
         last_batch: 'pad' repeats indices from the front so every rank gets
             ceil(length / num_replicas) indices; 'discard' drops the tail so every rank gets
-            floor(length / num_replicas).
+            floor(length / num_replicas); 'keep' neither pads nor drops: every index goes to
+            exactly one rank, and the first `length % num_replicas` ranks get one more (for
+            exact evaluation; ranks then run different numbers of batches).
 
     Raises:
         ValueError: for a rank outside [0, num_replicas) or an unknown last_batch, or when a
@@ -255,7 +275,7 @@ class DistributedSampler(Sampler):
             raise ValueError(f"rank must be in [0, {self._num_replicas}), got {self._rank}")
         if last_batch not in _DISTRIBUTED_MODES:
             raise ValueError(f"last_batch must be one of {_DISTRIBUTED_MODES}, got {last_batch!r}")
-        self._pad = last_batch == "pad"
+        self._last_batch = last_batch
         self._shuffle = bool(shuffle)
         self._seed = int(seed)
         self._epoch = 0
@@ -265,8 +285,10 @@ class DistributedSampler(Sampler):
         self._epoch = int(epoch)
 
     def __len__(self) -> int:
-        if self._pad:
+        if self._last_batch == "pad":
             return ceil_div(self._length, self._num_replicas)
+        if self._last_batch == "keep":
+            return len(range(self._rank, self._length, self._num_replicas))
         return self._length // self._num_replicas
 
     def __iter__(self) -> Iterator[int]:
@@ -274,6 +296,8 @@ class DistributedSampler(Sampler):
             order = np.random.default_rng([self._seed, self._epoch]).permutation(self._length)
         else:
             order = np.arange(self._length)
+        if self._last_batch == "keep":
+            return iter(order[self._rank::self._num_replicas].tolist())
         total = len(self) * self._num_replicas
         if total > self._length:
             order = np.resize(order, total)  # np.resize repeats from the front

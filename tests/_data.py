@@ -304,3 +304,53 @@ def nested_batchify(samples: list[Any]) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch calls nested tensors a prototype
         return torch.nested.nested_tensor([torch.as_tensor(s, dtype=torch.float32) for s in samples])
+
+
+class InitDraws(gloader.Dataset):
+    """Its `init` (a worker_init_fn) draws from random, numpy and torch and records whether
+    torch.initial_seed() equals the worker's seed; every sample reports that, from the very
+    dataset object __getitem__ runs on."""
+
+    def __init__(self) -> None:
+        self.draws = [-1.0, -1.0, -1.0, -1.0, -1.0]
+
+    def init(self, worker_id: int) -> None:
+        info = gloader.get_worker_info()
+        seeded = float(info is not None and torch.initial_seed() == info.seed)
+        self.draws = [random.random(), float(np.random.rand()), torch.rand(()).item(), seeded, float(worker_id)]
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, idx: int) -> Any:
+        return np.array(self.draws + [idx], dtype=np.float64)
+
+
+class TorchShardedStream(torch.utils.data.IterableDataset):
+    """A stream written for torch: shards by torch.utils.data.get_worker_info()."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(start, self.length, step))
+
+
+class SizedTorchStream(TorchShardedStream):
+    def __len__(self) -> int:
+        return self.length
+
+
+class BatchedFetch(gloader.Dataset):
+    """Sample k is (k, how many keys the call that fetched it asked for)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, idx: int) -> Any:
+        return np.array([idx, 1])
+
+    def __getitems__(self, keys: list[int]) -> list[Any]:
+        return [np.array([k, len(keys)]) for k in keys]

@@ -246,7 +246,7 @@ def test_structured_samples_batch_the_same_in_workers_and_inline() -> None:
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"batch_size": 0}, ValueError, "batch_size must be >= 1, got 0"),
     ({"batch_size": 2.5}, TypeError, "batch_size must be a positive integer, got 2.5"),
-    ({"batch_size": None}, ValueError, "batch_size must be given"),
+    ({"batch_size": None, "last_batch": "discard"}, ValueError, "batch_size=None loads one sample at a time"),
     ({"batch_size": 2, "num_workers": -1}, ValueError, "num_workers must be >= 0, got -1"),
     ({"batch_size": 2, "prefetch": -2}, ValueError, "prefetch must be >= 0, got -2"),
     ({"batch_size": 2, "last_batch": "drop"}, ValueError, "last_batch must be one of .* got 'drop'"),

@@ -30,13 +30,17 @@ def test_dataloader_signature_matches_the_contract() -> None:
                   "num_workers", "pin_memory", "pin_device_id", "prefetch", "thread_pool", "timeout"]
     assert [p for p in params if params[p].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD] == positional
     defaults = {name: params[name].default for name in params if name != "dataset"}
-    assert defaults == {"batch_size": None, "shuffle": False, "sampler": None, "last_batch": None,
+    assert defaults == {"batch_size": 1, "shuffle": False, "sampler": None, "last_batch": None,
                         "batch_sampler": None, "batchify_fn": None, "num_workers": 0, "pin_memory": False,
                         "pin_device_id": 0, "prefetch": None, "thread_pool": False, "timeout": 120,
                         "device": None, "worker_init_fn": None, "seed": None, "start_method": None, "pool": None,
-                        "progress": False}
+                        "progress": False, "collate_fn": None, "drop_last": None, "persistent_workers": None,
+                        "prefetch_factor": None, "multiprocessing_context": None, "generator": None,
+                        "in_order": True}
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY
-               for n in ("device", "worker_init_fn", "seed", "start_method", "pool", "progress"))
+               for n in ("device", "worker_init_fn", "seed", "start_method", "pool", "progress", "collate_fn",
+                         "drop_last", "persistent_workers", "prefetch_factor", "multiprocessing_context",
+                         "generator", "in_order"))
 
 
 def test_batchify_tuple_is_group() -> None:

@@ -118,7 +118,7 @@ def test_distributed_shuffle_changes_with_epoch_and_matches_across_ranks() -> No
     (lambda: IntervalSampler(3, 0), "interval must be >= 1, got 0"),
     (lambda: SequentialSampler(-1), "length must be >= 0, got -1"),
     (lambda: DistributedSampler(10, 2, 2), r"rank must be in \[0, 2\), got 2"),
-    (lambda: DistributedSampler(10, 2, 0, last_batch="keep"), "last_batch must be one of"),
+    (lambda: DistributedSampler(10, 2, 0, last_batch="rollover"), "last_batch must be one of"),
     (lambda: DistributedSampler(10), "torch.distributed is not initialized"),
 ])
 def test_bad_sampler_arguments_name_the_value(make, match: str) -> None:

@@ -61,7 +61,7 @@ def measure_device_transfer(quick: bool, rounds: int) -> dict[str, Any]:
     device = torch.device("cuda", 0)
     dataset: Any = ImageDataset(4_000)
     batches = 30 if quick else 120
-    gl = gloader.DataLoader(dataset, batch_size=64, shuffle=True, num_workers=2, pin_memory=True, device=device)
+    gl = gloader.DataLoader[Any](dataset, batch_size=64, shuffle=True, num_workers=2, pin_memory=True, device=device)
     th: Any = torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True, num_workers=2, pin_memory=True,
                                           persistent_workers=True)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "gloader": [], "torch": [],

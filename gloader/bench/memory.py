@@ -85,8 +85,8 @@ def measure_copy_on_write(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"length": length}
     for name, make in (("objects", DictRecords), ("numpy", ArrayRecords)):
         dataset: Any = make(length)
-        with gloader.DataLoader(dataset, batch_size=1024, shuffle=True, num_workers=2,
-                                start_method="fork") as loader:
+        with gloader.DataLoader[Any](dataset, batch_size=1024, shuffle=True, num_workers=2,
+                                     start_method="fork") as loader:
             gl = _growth(loader, loader.worker_pids)
         before_children = {p.pid for p in psutil.Process().children()}
         tl: Any = torch.utils.data.DataLoader(dataset, batch_size=1024, shuffle=True, num_workers=2,
@@ -111,7 +111,7 @@ def measure_shared_pool(quick: bool) -> dict[str, float]:
     size = 2_000_000 if quick else 8_000_000
     train, val = ArrayRecords(size), ArrayRecords(size // 4)
     with gloader.WorkerPool(2, start_method="spawn") as pool:
-        loaders = [gloader.DataLoader(d, batch_size=4096, pool=pool) for d in (train, val)]
+        loaders = [gloader.DataLoader[Any](d, batch_size=4096, pool=pool) for d in (train, val)]
         shared = _pool_uss(loaders, pool.worker_pids)
         for loader in loaders:
             loader.close()

@@ -1,0 +1,229 @@
+"""Code written for torch's DataLoader (and Gluon's) runs on gloader: torch's keyword names,
+attributes, unbatched mode, randomness, streams, resume lengths and warnings."""
+from __future__ import annotations
+
+import multiprocessing
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gloader
+from gloader import DataLoader, WorkerPool
+from gloader.sampler import DistributedSampler
+from tests import _data
+
+
+def test_torch_attributes_are_readable_and_read_only() -> None:
+    data = np.arange(10)
+    with DataLoader(data, batch_size=4, shuffle=True, drop_last=True, num_workers=2, prefetch_factor=3,
+                    timeout=30) as loader:
+        assert loader.dataset is data and loader.batch_size == 4 and loader.drop_last is True
+        assert loader.num_workers == 2 and loader.prefetch_factor == 3 and loader.timeout == 30.0
+        assert loader.pin_memory is False and loader.worker_init_fn is None and loader.generator is None
+        assert loader.collate_fn is gloader.batchify.default_batchify_fn and loader.persistent_workers is True
+        assert loader.batch_sampler.batch_size == 4 and loader.batch_sampler.sampler is loader.sampler
+        assert len(loader) == 2
+        with pytest.raises(AttributeError, match="DataLoader.batch_size is read-only"):
+            loader.batch_size = 8
+
+
+def test_set_epoch_on_loader_sampler_reaches_the_sampler_that_orders() -> None:
+    with DataLoader(np.arange(12), batch_size=12, shuffle=True, seed=5) as loader:
+        loader.sampler.set_epoch(3)
+        third = next(iter(loader)).tolist()
+    with DataLoader(np.arange(12), batch_size=12, shuffle=True, seed=5) as other:
+        orders = [next(iter(other)).tolist() for _ in range(4)]
+    assert third == orders[3] != orders[0]
+
+
+def test_torch_keyword_names_work_and_a_clash_with_the_gluon_name_names_both() -> None:
+    def first_only(samples: list[Any]) -> Any:
+        return samples[0]
+
+    with DataLoader(list(range(5)), batch_size=2, collate_fn=first_only, drop_last=True, num_workers=1,
+                    multiprocessing_context=multiprocessing.get_context("spawn"), persistent_workers=True,
+                    in_order=False) as loader:
+        assert list(loader) == [0, 2] and loader.multiprocessing_context == "spawn"
+    for kwargs, match in (({"collate_fn": first_only, "batchify_fn": first_only}, "batchify_fn=.* and collate_fn="),
+                          ({"drop_last": True, "last_batch": "keep"}, "last_batch='keep' and drop_last='discard'"),
+                          ({"num_workers": 1, "prefetch": 2, "prefetch_factor": 2}, "prefetch=2 and prefetch_factor=2"),
+                          ({"num_workers": 1, "start_method": "fork", "multiprocessing_context": "spawn"},
+                           "start_method='fork' and multiprocessing_context='spawn'"),
+                          ({"seed": 1, "generator": torch.Generator()}, "seed=1 and generator= both"),
+                          ({"start_method": "spawn"}, "needs worker processes, but num_workers=0"),
+                          ({"prefetch_factor": 2}, "prefetch_factor=2 needs worker processes")):
+        with pytest.raises(ValueError, match=match):
+            DataLoader(list(range(5)), **kwargs)
+
+
+def test_batch_size_defaults_to_one_and_none_means_torchs_unbatched_mode() -> None:
+    assert [b.tolist() for b in DataLoader(np.arange(3))] == [[0], [1], [2]]
+    samples = [{"x": np.full(2, i, np.float32), "y": np.int64(i), "name": f"s{i}"} for i in range(3)]
+    with DataLoader(samples, batch_size=None, num_workers=1) as loader:
+        unbatched = list(loader)
+    assert unbatched[2]["x"].tolist() == [2.0, 2.0] and unbatched[2]["y"].ndim == 0 and unbatched[2]["name"] == "s2"
+    assert isinstance(unbatched[0]["x"], torch.Tensor) and isinstance(unbatched[0]["y"], torch.Tensor)
+    loader = DataLoader(list(range(3)), batch_size=None, collate_fn=lambda sample: sample * 10)
+    assert list(loader) == [0, 10, 20] and loader.batch_size is None and loader.batch_sampler is None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torch_manual_seed_reproduces_shuffle_and_worker_draws_without_seed(workers: int) -> None:
+    # In-process, as in torch, only torch's own draws follow torch.manual_seed; workers are
+    # seeded per batch from a base seed drawn from torch, so all three generators follow it.
+    columns = [2] if workers == 0 else [0, 1, 2]
+
+    def run(seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        with DataLoader(_data.RandomAugmented(20), batch_size=5, shuffle=True, num_workers=workers) as loader:
+            return torch.cat([batch[0][:, columns] for batch in loader])
+
+    first = run(0)
+    assert torch.equal(first, run(0)) and not torch.equal(first, run(1))
+
+
+def test_generator_seeds_the_loader_like_seed_does() -> None:
+    orders = []
+    for _ in range(2):
+        with DataLoader(np.arange(16), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(7),
+                        num_workers=1) as loader:
+            orders.append(next(iter(loader)).tolist())
+    assert orders[0] == orders[1] != list(range(16))
+
+
+@pytest.mark.parametrize("where", ["fork", "spawn", "forkserver", "shared pool"])
+def test_worker_init_fn_configures_the_loading_dataset_with_seeded_generators(where: str) -> None:
+    dataset = _data.InitDraws()
+    if where == "shared pool":
+        with WorkerPool(2, start_method="spawn") as pool, \
+                DataLoader(dataset, batch_size=1, worker_init_fn=dataset.init, pool=pool) as loader:
+            rows = torch.cat(list(loader))
+    else:
+        with DataLoader(dataset, batch_size=1, num_workers=2, start_method=where,
+                        worker_init_fn=dataset.init) as loader:
+            rows = torch.cat(list(loader))
+    assert (rows[:, 3] == 1).all()  # init ran on this dataset, with torch.initial_seed() == the worker's seed
+    draws = {tuple(row[:3].tolist()) for row in rows}
+    assert len(draws) == len(set(rows[:, 4].tolist()))  # each worker (1 or 2 served) drew its own numbers
+
+
+def test_torch_iterable_dataset_is_a_stream_in_a_fixed_worker_order_with_torchs_length() -> None:
+    orders = []
+    for _ in range(3):
+        with DataLoader(_data.TorchShardedStream(14), batch_size=3, num_workers=2) as loader:
+            orders.append([b.tolist() for b in loader])
+    assert orders[0] == orders[1] == orders[2]
+    assert orders[0][:3] == [[0, 2, 4], [1, 3, 5], [6, 8, 10]]  # shard 0, shard 1, shard 0, ...
+    assert sorted(sum(orders[0], [])) == list(range(14))
+    with DataLoader(_data.SizedTorchStream(14), batch_size=3) as sized, \
+            DataLoader(_data.SizedTorchStream(14), batch_size=3, drop_last=True) as dropped:
+        assert (len(sized), len(dropped)) == (5, 4)
+    with pytest.raises(TypeError, match="has no length"):
+        len(DataLoader(_data.TorchShardedStream(4), batch_size=2))
+    with pytest.raises(ValueError, match="batch_sampler are not allowed"):
+        DataLoader(_data.TorchShardedStream(4), batch_sampler=[[0, 1]])
+
+
+def test_torch_chain_and_sum_of_datasets_work() -> None:
+    chained = torch.utils.data.ChainDataset([_data.TorchShardedStream(3), _data.TorchShardedStream(2)])
+    assert torch.cat(list(DataLoader(chained, batch_size=2))).tolist() == [0, 1, 2, 0, 1]
+    summed = torch.utils.data.TensorDataset(torch.arange(3)) + torch.utils.data.TensorDataset(torch.arange(3, 5))
+    with DataLoader(summed, batch_size=5, num_workers=1) as loader:
+        assert next(iter(loader))[0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_len_after_resume_is_the_whole_epoch_and_iteration_yields_the_rest() -> None:
+    with DataLoader(np.arange(20), batch_size=2, shuffle=True, seed=1, num_workers=2) as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(4)]
+        state = loader.state_dict()
+    with DataLoader(np.arange(20), batch_size=2, shuffle=True, seed=1, num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        assert len(resumed) == 10
+        rest = list(resumed)
+        assert len(rest) == 6 and len(resumed) == 10
+    assert sorted(torch.cat(head + rest).tolist()) == list(range(20))
+
+
+def test_an_iterator_dropped_before_its_first_batch_does_not_use_up_an_epoch() -> None:
+    with DataLoader(np.arange(12), batch_size=4, shuffle=True, seed=2, num_workers=2) as probed:
+        iter(probed)  # Lightning probes every loader like this
+        epochs = [torch.cat(list(probed)).tolist() for _ in range(2)]
+    with DataLoader(np.arange(12), batch_size=4, shuffle=True, seed=2) as plain:
+        assert epochs == [torch.cat(list(plain)).tolist() for _ in range(2)]
+
+
+def test_a_superseded_iterator_raises_instead_of_ending_silently() -> None:
+    with DataLoader(np.arange(8), batch_size=2) as loader:
+        first = iter(loader)
+        next(first)
+        second = iter(loader)
+        with pytest.raises(RuntimeError, match="ended by a newer iter"):
+            next(first)
+        assert len(list(second)) == 4
+
+
+def test_distributed_run_without_distributed_sampler_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gloader import _options
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(_options, "_WARNED", set())
+    with pytest.warns(UserWarning, match="every rank loads the whole dataset.*DistributedSampler"):
+        DataLoader(np.arange(8), batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataLoader(np.arange(8), batch_size=2)  # once per process
+        DataLoader(np.arange(8), batch_size=2, sampler=DistributedSampler(8, num_replicas=2, rank=0))
+
+
+def test_num_workers_far_above_the_cpus_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.warns(UserWarning, match="num_workers=5 is far above the 2 CPUs"):
+        DataLoader(np.arange(8), batch_size=2, num_workers=5)
+
+
+def test_timeouts_and_dead_workers_are_runtime_errors_too() -> None:
+    assert issubclass(gloader.BatchTimeoutError, TimeoutError) and issubclass(gloader.BatchTimeoutError, RuntimeError)
+    assert issubclass(gloader.WorkerExitedError, RuntimeError)
+    loader = DataLoader(_data.Sleepy(slow=1, seconds=3.0), batch_size=2, num_workers=1, timeout=0.3)
+    with loader, pytest.raises(RuntimeError, match="took more than"):
+        list(loader)
+
+
+def test_generic_aliases_like_torch() -> None:
+    loader: DataLoader[torch.Tensor] = DataLoader[torch.Tensor](np.arange(4), batch_size=2)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    assert gloader.Dataset[int] is not None and gloader.IterableDataset[int] is not None
+
+
+def test_distributed_keep_shards_every_sample_exactly_once_without_padding() -> None:
+    for length, replicas in ((10, 3), (2, 4), (9, 3)):
+        shards = [list(DistributedSampler(length, num_replicas=replicas, rank=r, last_batch="keep"))
+                  for r in range(replicas)]
+        assert sorted(sum(shards, [])) == list(range(length))
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1
+        assert [len(DistributedSampler(length, num_replicas=replicas, rank=r, last_batch="keep"))
+                for r in range(replicas)] == list(map(len, shards))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_getitems_fetches_a_batch_in_one_call(workers: int) -> None:
+    with DataLoader(_data.BatchedFetch(), batch_size=4, num_workers=workers) as loader:
+        batches = list(loader)
+    assert [b[:, 1].tolist() for b in batches] == [[4] * 4] * 3
+    assert torch.cat([b[:, 0] for b in batches]).tolist() == list(range(12))
+
+
+def test_random_module_unaffected_by_in_process_seeded_loading() -> None:
+    random.seed(3)
+    expected = random.random()
+    random.seed(3)
+    list(DataLoader(_data.RandomAugmented(4), batch_size=2, seed=1))
+    assert random.random() == expected
