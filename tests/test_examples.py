@@ -15,3 +15,26 @@ def test_train_model_learns_the_blobs() -> None:
 def test_bucketing_cuts_padding() -> None:
     plain, bucketed = sequences.main(count=1000)
     assert bucketed < plain / 3
+
+
+@pytest.mark.parametrize("loader", ["gloader", "torch"])
+def test_torch_style_mnist_script_trains_with_either_import(loader: str, tmp_path) -> None:
+    """The script is torch's shape; only its import line differs between the two runs."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "examples", "mnist_torch_style.py"), encoding="utf-8") as handle:
+        source = handle.read()
+    line = "from gloader import DataLoader"
+    assert source.count(line) == 1
+    script = tmp_path / "mnist.py"
+    script.write_text(source if loader == "gloader" else source.replace(line, "from torch.utils.data import DataLoader"))
+    done = subprocess.run([sys.executable, str(script), "--epochs", "2"], capture_output=True, text=True,
+                          timeout=100, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr[-3000:]
+    accuracy = re.findall(r"Accuracy: \d+/\d+ \((\d+)%\)", done.stdout)
+    assert accuracy and int(accuracy[-1]) >= 90, done.stdout[-2000:]
