@@ -38,7 +38,7 @@ def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
-    (["--workloads", "W1,W9"], r"--workloads takes W1 to W7; got \['W9'\]"),
+    (["--workloads", "W1,W12"], r"--workloads takes W1 to W7 and W9; got \['W12'\]"),
     (["--workloads", "W1", "--plot", "x.png"], "--plot needs W1, W2, W3 and W4"),
 ])
 def test_bad_arguments_exit_with_a_message(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,3 +51,12 @@ def test_device_report_gives_medians_and_the_median_ratio() -> None:
     lines = report_device({"W7": {"device": "GPU X", "gloader": [10.0, 12.0, 11.0], "torch": [5.0, 4.0, 5.5]}})
     assert lines[1].startswith("| W7 W2 batches to GPU X |")
     assert lines[3] == "| pin_memory + device | 11.00 (10.00-12.00) | 5.00 (4.00-5.50) | 2.00x |"  # ratios 2, 3, 2
+
+
+def test_huggingface_workload_is_skipped_with_a_message_without_the_datasets_package(monkeypatch) -> None:
+    from gloader.bench import cli
+
+    monkeypatch.setattr(cli, "has_huggingface_datasets", lambda: False)
+    results = bench.run(quick=True, rounds=1, only={"W9"})
+    assert results["W9"] == {"skipped": "the datasets package is not installed (pip install datasets)"}
+    assert "| W9 skipped: the datasets package is not installed" in bench.report(results)

@@ -9,6 +9,9 @@ Workloads:
     W1 tiny: samples of float32[16] + int, batch 256, shuffle.
     W2 images: uint8 224x224x3 + int, batch 64, shuffle.
     W3 CPU-bound: about 0.5 ms of numpy work per sample, batch 32.
+    W9 a HuggingFace `datasets` table in torch format (50,000 rows of float32[64] + label),
+        batch 256; both loaders use its batched `__getitems__`. Skipped when `datasets` is
+        not installed.
     W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data).
     W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench.memory`.
     W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench.device`.
@@ -28,7 +31,14 @@ import torch
 
 import gloader
 
-from .datasets import CpuBoundDataset, ImageDataset, TinyDataset, calibrate_cpu_work
+from .datasets import (
+    CpuBoundDataset,
+    ImageDataset,
+    TinyDataset,
+    calibrate_cpu_work,
+    has_huggingface_datasets,
+    huggingface_table,
+)
 
 __all__ = ["main", "plot", "report", "run"]
 
@@ -111,13 +121,18 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
                  224 * 224 * 3 + 8, int(150 * scale) or 15),
         Workload("W3", "CPU-bound ~0.5 ms/sample, batch 32", lambda: CpuBoundDataset(20_000, size), 32, 64 * 4 + 8,
                  int(100 * scale) or 10),
+        Workload("W9", "HuggingFace datasets table (torch format), batch 256", lambda: huggingface_table(50_000),
+                 256, 64 * 4 + 8, int(150 * scale) or 15),
     ]
     if only is not None:
         workloads = [w for w in workloads if w.name in only]
+    results: dict[str, Any] = {"rounds": rounds, "cpu_work_size": size}
+    if any(w.name == "W9" for w in workloads) and not has_huggingface_datasets():
+        workloads = [w for w in workloads if w.name != "W9"]
+        results["W9"] = {"skipped": "the datasets package is not installed (pip install datasets)"}
     latency_epochs = 5
     with_latency = only is None or "W4" in only
     progress = _Progress(rounds * (len(workloads) + with_latency) * 2)
-    results: dict[str, Any] = {"rounds": rounds, "cpu_work_size": size}
     for work in workloads:
         dataset = work.make()
         loaders = {"gloader": _gloader(dataset, work.batch_size), "torch": _torch(dataset, work.batch_size)}
@@ -181,10 +196,13 @@ def report(results: dict[str, Any]) -> str:
              "median (min-max)", "",
              "| workload | gloader samples/s | torch samples/s | gloader MB/s | torch MB/s | gloader/torch |",
              "|---|---|---|---|---|---|"]
-    for name in ("W1", "W2", "W3"):
+    for name in ("W1", "W2", "W3", "W9"):
         if name not in results:
             continue
         res = results[name]
+        if "skipped" in res:
+            lines.append(f"| {name} skipped: {res['skipped']} | | | | | |")
+            continue
         lines.append(f"| {name} {res['title']} | {_summary(res['samples_per_s']['gloader'])} | "
                      f"{_summary(res['samples_per_s']['torch'])} | {_summary(res['mb_per_s']['gloader'])} | "
                      f"{_summary(res['mb_per_s']['torch'])} | **{_summary(res['ratio'])}x** |")
@@ -236,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small run, under a minute")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (needs W1-W4)")
-    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W7; W7 needs CUDA and runs only when named)")
+    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W7, W9; W7 needs CUDA and runs only when named)")
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     if rounds < 1:
@@ -249,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     only = None
     if args.workloads:
         only = {w.strip().upper() for w in args.workloads.split(",")}
-        unknown = only - {"W1", "W2", "W3", "W4", "W5", "W6", "W7"}
+        unknown = only - {"W1", "W2", "W3", "W4", "W5", "W6", "W7", "W9"}
         if unknown:
-            parser.error(f"--workloads takes W1 to W7; got {sorted(unknown)}")
+            parser.error(f"--workloads takes W1 to W7 and W9; got {sorted(unknown)}")
         if args.plot and not {"W1", "W2", "W3", "W4"} <= only:
             parser.error("--plot needs W1, W2, W3 and W4")
     torch.set_num_threads(1)

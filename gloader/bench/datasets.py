@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CpuBoundDataset", "ImageDataset", "TinyDataset", "calibrate_cpu_work"]
+__all__ = ["CpuBoundDataset", "ImageDataset", "TinyDataset", "calibrate_cpu_work", "has_huggingface_datasets",
+           "huggingface_table"]
 
 
 class TinyDataset:
@@ -62,3 +63,20 @@ def calibrate_cpu_work(target_s: float = 0.5e-3) -> int:
         per_sample = (time.perf_counter() - start) / 64
         size = max(1000, int(size * target_s / per_sample))
     return size
+
+
+def has_huggingface_datasets() -> bool:
+    """Whether the optional `datasets` package (W9) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("datasets") is not None
+
+
+def huggingface_table(length: int) -> Any:
+    """W9: a HuggingFace `datasets` table of `length` rows (x: float32[64], label) in torch format."""
+    import datasets
+
+    rows = np.random.default_rng(0)
+    table = datasets.Dataset.from_dict({"x": rows.random((length, 64), dtype=np.float32),
+                                        "label": np.arange(length) % 10})
+    return table.with_format("torch")
