@@ -51,6 +51,10 @@ _POLL_S = 0.05
 # Deadline for a loader leaving a shared pool to see its batches in flight finish, so that
 # nothing it owns is written after it has released its shared memory.
 _LEAVE_SHARED_POOL_S = 5.0
+# The same after a dead worker or a timeout, when a task may never finish (its worker is
+# gone): the error should reach the caller promptly. Longer: fewer late writes into slots
+# already released (harmless: they are unlinked); shorter: a faster error.
+_LEAVE_AFTER_FAILURE_S = 0.2
 # Free shared-memory slots a loader keeps mapped beyond those in flight and those the caller
 # holds. Two cover the batch being handed over and the one the caller just dropped. Larger:
 # fewer new segments after the caller holds a burst of batches; smaller: less idle memory.
@@ -116,7 +120,7 @@ class _InProcess:
     def worker_pids(self) -> list[int]:
         return []
 
-    def close(self, drain: Callable[[float], None]) -> None:
+    def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
         pass
 
 
@@ -139,11 +143,11 @@ class _OnPool:
     def worker_pids(self) -> list[int]:
         return self.core.worker_pids()
 
-    def close(self, drain: Callable[[float], None]) -> None:
+    def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
         if self.owns_core:
-            self.core.close()
+            self.core.close(prompt)
         else:
-            drain(_LEAVE_SHARED_POOL_S)
+            drain(_LEAVE_AFTER_FAILURE_S if prompt else _LEAVE_SHARED_POOL_S)
         self.core.leave(self._loader_id)
         if self.slots is not None:
             self.slots.close()
@@ -237,10 +241,17 @@ class Engine:
         self._reap_discarded()
         task = self._tasks.popleft()
         try:
+            # Every collect reads the exit codes (~2 us), so a worker that died while idle, whose
+            # task the pool gave to its replacement, is reported too, at the caller's next wait.
+            self._check_workers(task)
             self._wait(task)
-        except (WorkerExitedError, BatchTimeoutError):
+        except (WorkerExitedError, BatchTimeoutError) as exc:
             self._discarded.append(task)
-            self.stop_workers()
+            backend = self._backend
+            if isinstance(exc, BatchTimeoutError) and isinstance(backend, _OnPool) and not backend.owns_core:
+                # A shared pool outlives this loader: a hung worker would hold its place forever.
+                backend.core.kill_worker_loading(self._loader_id, task.job.epoch, task.job.number)
+            self.stop_workers(prompt=True)
             raise
         except BaseException:  # Ctrl-C: the task is not ours any more
             self._discarded.append(task)
@@ -272,17 +283,21 @@ class Engine:
             result.wait(_POLL_S)
             if result.ready():
                 return
-            dead = self._backend.find_dead_worker() if self._backend is not None else None
-            if dead is not None:
-                raise WorkerExitedError(f"{dead}. The loader was waiting for batch {task.job.number} of epoch "
-                                        f"{task.job.epoch}; its pool is shut down and the next epoch starts a "
-                                        "new one.")
+            self._check_workers(task)
             if time.monotonic() > deadline:
                 elapsed = time.perf_counter() - started
                 raise BatchTimeoutError(f"batch {task.job.number} of epoch {task.job.epoch}{_describe_keys(task.job)} "
                                         f"took more than {elapsed:.1f} s, the loader's timeout="
                                         f"{self._config.timeout_s:g}; raise timeout= if batches are legitimately "
                                         "slow, or look for a hang in the dataset")
+
+    def _check_workers(self, task: _Task) -> None:
+        """Raise WorkerExitedError when a worker process has died since the last check."""
+        dead = self._backend.find_dead_worker() if self._backend is not None else None
+        if dead is not None:
+            raise WorkerExitedError(f"{dead}. The loader was waiting for batch {task.job.number} of epoch "
+                                    f"{task.job.epoch}; its workers are stopped and the next epoch starts "
+                                    "anew.")
 
     def discard(self, epoch: int | None = None) -> None:
         """Drop the batches in flight of `epoch` (of every epoch when None).
@@ -330,9 +345,10 @@ class Engine:
         """The loader's shared-memory slots (None before the first batch and for threads)."""
         return self._backend.slots if self._backend is not None else None
 
-    def stop_workers(self) -> None:
+    def stop_workers(self, prompt: bool = False) -> None:
         """Stop the workers (or leave the shared pool) and release shared memory; the next
-        `fill` starts anew. Batches already collected stay valid."""
+        `fill` starts anew. Batches already collected stay valid. `prompt`: terminate at once
+        (see `PoolCore.close`)."""
         backend, self._backend = self._backend, None
         if backend is None:
             return
@@ -345,7 +361,7 @@ class Engine:
                 task.result.wait(max(0.0, deadline - time.monotonic()))
             self._reap_discarded(backend)
 
-        backend.close(drain)
+        backend.close(drain, prompt)
         self._discarded = []
 
     close = stop_workers

@@ -146,11 +146,13 @@ class PoolCore:
         self.payload_dir = tempfile.mkdtemp(prefix="gloader-payload-")
         self._closed = False
         self._watched: list[Any] = []
+        self._reported: set[int] = set()  # dead workers already reported (or killed on purpose)
         ctx = multiprocess.get_context(start_method)
         status = None if is_thread else ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
         self.status = None if status is None else StatusTable(status, num_workers)
+        incarnations = None if is_thread else ctx.Array("q", [0] * num_workers, lock=False)
         self.spec = PoolSpec(num_workers=num_workers, counter=ctx.Value("i", 0), status=status,
-                             main_pid=os.getpid(), shm_prefix=shm_prefix, payload_dir=self.payload_dir,
+                             incarnations=incarnations, main_pid=os.getpid(), shm_prefix=shm_prefix, payload_dir=self.payload_dir,
                              generation=ctx.Value("i", 0), closing=ctx.Value("i", 0))
         if is_thread:
             from multiprocess.pool import ThreadPool
@@ -184,13 +186,28 @@ class PoolCore:
                 self._watched.append(process)
         for process in self._watched:
             code = process.exitcode
-            if code is not None:
+            if code is not None and process.pid not in self._reported:
+                self._reported.add(process.pid)  # reported once: the pool has replaced it
                 if not self._has_started(process.pid):
                     return (f"gloader worker (pid {process.pid}) exited with code {code} while starting, before "
                             "it could load anything; under spawn or forkserver the main script is imported "
                             "again in each worker, so guard it with `if __name__ == '__main__':` (its "
                             "traceback is on stderr)")
                 return f"gloader worker (pid {process.pid}) {describe_exit(code)}{self._doing(process.pid)}"
+        return None
+
+    def kill_worker_loading(self, loader_id: int, epoch: int, batch_index: int) -> int | None:
+        """Kill the worker process stuck on that batch (a shared pool's hung worker would hold
+        a place forever); the pool starts a replacement. Returns its pid, or None."""
+        if self.status is None:
+            return None
+        for process in list(self.pool._pool):
+            if self.status.doing(process.pid) == (loader_id, epoch, batch_index):
+                self._reported.add(process.pid)  # killed on purpose: not a death to report
+                process.kill()
+                logger.warning("killed gloader worker %d: it spent longer than the timeout on batch %d of "
+                               "epoch %d for loader %d", process.pid, batch_index, epoch, loader_id)
+                return int(process.pid)
         return None
 
     def _has_started(self, pid: int) -> bool:
@@ -227,8 +244,12 @@ class PoolCore:
         with self.spec.generation.get_lock():
             self.spec.generation.value += 1
 
-    def close(self) -> None:
-        """Stop every worker, climbing the ladder; idempotent, bounded in time."""
+    def close(self, prompt: bool = False) -> None:
+        """Stop every worker, climbing the ladder; idempotent, bounded in time.
+
+        `prompt`: skip asking (after a dead worker or a timeout nobody waits for batches, and
+        a stuck worker would not answer anyway): terminate at once.
+        """
         if self._closed:
             return
         self._closed = True
@@ -236,7 +257,7 @@ class PoolCore:
         if self.is_thread:
             self._close_threads()
         else:
-            self._close_processes()
+            self._close_processes(prompt)
         shutil.rmtree(self.payload_dir, ignore_errors=True)
         unlink_prefix(self.spec.shm_prefix)  # created by workers for batches nobody collected
         logger.debug("stopped %d %s workers", self.num_workers, "thread" if self.is_thread else "process")
@@ -253,19 +274,23 @@ class PoolCore:
                            "they are daemon threads and end with the interpreter", busy, _ASK_S + _TERMINATE_S)
         self._stop_pool_threads()
 
-    def _close_processes(self) -> None:
+    def _close_processes(self, prompt: bool) -> None:
         pool = self.pool
         pool.close()  # ask: each idle worker takes a stop sentinel and exits
         processes = list(pool._pool)
-        if not _join_all(processes, _ASK_S):
+        if prompt or not _join_all(processes, _ASK_S):
             # The pool would start replacements for the workers stopped below while tasks are
             # pending; tell its maintenance thread to stop first.
             from multiprocess.pool import TERMINATE
 
             pool._worker_handler._state = TERMINATE
             alive = [p for p in processes if p.exitcode is None]
-            logger.warning("gloader workers %s did not stop within %.1f s; terminating them",
-                           [p.pid for p in alive], _ASK_S)
+            if prompt:
+                logger.warning("gloader workers %s: terminating them after a failed batch (a dead worker or "
+                               "a timeout)", [p.pid for p in alive])
+            else:
+                logger.warning("gloader workers %s did not stop within %.1f s; terminating them",
+                               [p.pid for p in alive], _ASK_S)
             for process in alive:
                 process.terminate()
             if not _join_all(alive, _TERMINATE_S):

@@ -104,9 +104,17 @@ class WorkerFailure(NamedTuple):
             return RuntimeError(f"{self.type_name}: {self.message}")
 
     def reraise(self, epoch: int) -> NoReturn:
-        """Raise the exception in the caller with the worker's traceback and where it happened."""
+        """Raise the exception in the caller with the worker's traceback and where it happened.
+
+        `sys.exit()` (or any exit request) in a worker becomes a RuntimeError: it ended the
+        worker's task, not the training script.
+        """
         exc = self.rebuild()
         where = "the main process" if self.worker_id < 0 else f"worker {self.worker_id} (pid {self.pid})"
+        if self.worker_id >= 0 and not isinstance(exc, Exception):
+            exc = RuntimeError(f"{self.type_name}({self.message}) was raised in gloader {where} while loading "
+                               f"batch {self.batch_index} of epoch {epoch}: a dataset, transform or batchify "
+                               "function must raise an exception, not exit")
         if self.context:
             note = f"gloader: {self.context} in {where}; reported for batch {self.batch_index} of epoch {epoch}"
         else:

@@ -17,6 +17,7 @@ The whole flow is drawn in `_engine`.
 from __future__ import annotations
 
 import collections
+import errno
 import glob
 import logging
 import mmap
@@ -57,7 +58,12 @@ def _map_segment(name: str, capacity: int, create: bool) -> mmap.mmap:
         if create:
             # Reserve the pages now: a full /dev/shm then fails here with ENOSPC instead of
             # killing the writer with SIGBUS on its first touch of an unbacked page.
-            os.posix_fallocate(fd, 0, capacity)
+            try:
+                os.posix_fallocate(fd, 0, capacity)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise _out_of_space(capacity) from exc
+                raise
         return mmap.mmap(fd, capacity)
     except BaseException:
         if create:
@@ -67,22 +73,40 @@ def _map_segment(name: str, capacity: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
+def _shm_free_and_total() -> tuple[int, int]:
+    stats = os.statvfs(_SHM_DIR)
+    return stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+
+
+def _out_of_space(needed: int) -> OSError:
+    free, total = _shm_free_and_total()
+    return OSError(errno.ENOSPC, f"{_SHM_DIR} is full: a batch needs {needed / 2**20:.1f} MiB of shared memory and "
+                                 f"{_SHM_DIR} has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB. Enlarge it "
+                                 "(docker: --shm-size=2g), or lower prefetch or batch_size")
+
+
 def unlink_segment(name: str) -> None:
     """Remove exactly the segment `name` (gone already is fine)."""
     try:
         os.unlink(_path(name))
     except FileNotFoundError:
         pass
+    except PermissionError:  # another user's file under our name: not ours to remove
+        logger.warning("left %s in place: it belongs to another user", _path(name))
 
 
 def unlink_prefix(prefix: str) -> int:
     """Remove every segment whose name starts with `prefix`; return how many were removed."""
     removed = 0
+    uid = os.getuid()
     for path in glob.glob(os.path.join(_SHM_DIR, glob.escape(prefix) + "*")):
         try:
+            if os.lstat(path).st_uid != uid:
+                logger.warning("left %s in place: it matches a gloader name but belongs to another user", path)
+                continue
             os.unlink(path)
             removed += 1
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):
             pass
     return removed
 
@@ -121,7 +145,9 @@ class SegmentCache:
 
     def create(self, prefix: str, capacity: int) -> tuple[str, mmap.mmap]:
         self._created += 1
-        name = f"{prefix}w{os.getpid()}_{self._created}"
+        # A random part: another local user who sees the prefix in /dev/shm cannot plant the
+        # next name ahead of us (creation is O_EXCL and would fail).
+        name = f"{prefix}w{os.getpid()}_{self._created}_{os.urandom(4).hex()}"
         segment = _map_segment(name, capacity, create=True)
         self._remember(name, segment)
         return name, segment
@@ -246,7 +272,9 @@ class SlotPool:
     def __init__(self, prefix: str, max_spare: int) -> None:
         self.prefix = prefix
         self._max_spare = max_spare
-        self._lock = threading.Lock()
+        # Re-entrant: a batch freed by the garbage collector while this thread holds the lock
+        # (any allocation inside it can trigger a collection) calls release() right here.
+        self._lock = threading.RLock()
         self._maps: dict[str, mmap.mmap] = {}
         self._free: list[str] = []
         self._closed = False
@@ -345,11 +373,12 @@ class SlotPool:
         if self._warned_size:
             return
         self._warned_size = True
-        stats = os.statvfs(_SHM_DIR)
-        free_bytes = stats.f_bavail * stats.f_frsize
+        free_bytes, total_bytes = _shm_free_and_total()
         needed = batch_bytes * window
         if needed > free_bytes:
-            warnings.warn(f"/dev/shm has {free_bytes / 2**20:.0f} MiB free but gloader's prefetch window "
-                          f"needs about {needed / 2**20:.0f} MiB ({window} batches of {batch_bytes / 2**20:.1f} MiB); "
-                          "workers will fail with 'No space left on device'. Enlarge /dev/shm (docker: "
-                          "--shm-size=2g), or lower prefetch or batch_size.", ResourceWarning, stacklevel=4)
+            # A RuntimeWarning, not a ResourceWarning: Python hides those by default.
+            warnings.warn(f"/dev/shm has {free_bytes / 2**20:.0f} MiB free (of {total_bytes / 2**20:.0f} MiB) but "
+                          f"gloader's prefetch window needs about {needed / 2**20:.0f} MiB ({window} batches of "
+                          f"{batch_bytes / 2**20:.1f} MiB); workers will fail with 'No space left on device'. "
+                          "Enlarge /dev/shm (docker: --shm-size=2g), or lower prefetch or batch_size.",
+                          RuntimeWarning, stacklevel=4)

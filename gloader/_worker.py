@@ -87,6 +87,23 @@ class StatusTable:
     def mark_idle(self, row: int) -> None:
         self._array[self._base(row) + self._BATCH] = -1
 
+    def claim_id(self, incarnations: Any, pid: int) -> tuple[int, int]:
+        """(worker id, row) for a starting worker: the first id whose last holder is gone.
+
+        A replacement for a dead worker takes that worker's id, so ids stay unique (the pool
+        starts it only after reaping the dead one). Call under the pool's counter lock.
+        """
+        for worker_id in range(self.rows // self.ROWS_PER_WORKER):
+            count = incarnations[worker_id]
+            if count and _is_alive(self._array[self._base(worker_id * self.ROWS_PER_WORKER + (count - 1)
+                                                          % self.ROWS_PER_WORKER) + self._PID]):
+                continue
+            row = worker_id * self.ROWS_PER_WORKER + count % self.ROWS_PER_WORKER
+            incarnations[worker_id] = count + 1
+            self.claim(row, pid)
+            return worker_id, row
+        raise RuntimeError("internal error: every worker id is held by a live process")
+
     def has_started(self, pid: int) -> bool:
         return any(self._array[row * self.FIELDS + self._PID] == pid for row in range(self.rows))
 
@@ -100,13 +117,24 @@ class StatusTable:
         return None
 
 
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 @dataclasses.dataclass
 class PoolSpec:
     """Everything a pool's workers share; passed to the initializer once per worker."""
 
     num_workers: int
-    counter: Any  # a synchronized int: hands out worker ids
+    counter: Any  # a synchronized int: hands out thread worker ids; its lock guards id claims
     status: Any  # shared int64 array of StatusTable.cells(num_workers); None for threads
+    incarnations: Any  # shared int array: processes started so far per worker id; None for threads
     main_pid: int
     shm_prefix: str  # every segment of this pool's loaders starts with it
     payload_dir: str  # payload files of loaders that join the running pool
@@ -281,12 +309,11 @@ def _send(state: WorkerState, message: Any, batch_index: int) -> bytes:
                                     batch_index, None))
 
 
-def _claim_worker_id(spec: PoolSpec) -> tuple[int, int]:
-    """(worker id, status row) of a starting worker."""
+def _claim_thread_id(spec: PoolSpec) -> int:
     with spec.counter.get_lock():
         count = spec.counter.value
         spec.counter.value += 1
-    return count % spec.num_workers, count
+    return int(count % spec.num_workers)
 
 
 def _register_all(state: WorkerState, registrations: list[tuple[int, Payload]]) -> None:
@@ -298,7 +325,7 @@ def initialize_thread_worker(spec: PoolSpec, registrations: list[tuple[int, Payl
     """Thread pool initializer: this thread's state (thread workers share the caller's
     generators, so they do not seed them: `get_worker_info().rng` is their source)."""
     try:
-        worker_id, _ = _claim_worker_id(spec)
+        worker_id = _claim_thread_id(spec)
         state = WorkerState(worker_id, spec.num_workers, DirectWriter(), _LocalLink(), _leave_globals,
                             crosses_process=False)
         _THREAD_STATE.state = state
@@ -311,10 +338,11 @@ def initialize_process_worker(spec: PoolSpec, registrations: list[tuple[int, Pay
     """Process pool initializer: claim a worker id, set the process up, register the loaders."""
     global _PROCESS_STATE
     try:
-        worker_id, row = _claim_worker_id(spec)
+        status = StatusTable(spec.status, spec.num_workers)
+        with spec.counter.get_lock():
+            worker_id, row = status.claim_id(spec.incarnations, os.getpid())
         _prepare_process(spec)
         link = _ProcessLink(spec, row)
-        link.status.claim(row, os.getpid())
         _PROCESS_STATE = WorkerState(worker_id, spec.num_workers, SharedMemoryWriter(), link, _seed_globals,
                                      crosses_process=True)
         _register_all(_PROCESS_STATE, registrations)

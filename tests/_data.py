@@ -354,3 +354,54 @@ class BatchedFetch(gloader.Dataset):
 
     def __getitems__(self, keys: list[int]) -> list[Any]:
         return [np.array([k, len(keys)]) for k in keys]
+
+
+class KeyEcho(gloader.Dataset):
+    """Sample for key k is repr(k): shows exactly what __getitem__ received."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, key: Any) -> Any:
+        return repr(key)
+
+
+class WhoLoads(gloader.Dataset):
+    """Sample i is (worker id, pid, i)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, idx: int) -> Any:
+        info = gloader.get_worker_info()
+        return np.array([-1 if info is None else info.id, os.getpid(), idx], dtype=np.int64)
+
+
+class Tag(gloader.Dataset):
+    """Sample i is (self.tag, i); the caller changes `tag` between epochs."""
+
+    def __init__(self) -> None:
+        self.tag = 0
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, idx: int) -> Any:
+        return np.array([self.tag, idx], dtype=np.int64)
+
+
+class ExitsAt(gloader.Dataset):
+    """Calls sys.exit(7) when sample `bad` is loaded."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.bad:
+            import sys
+
+            sys.exit(7)
+        return np.array([idx])

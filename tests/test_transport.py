@@ -1,6 +1,7 @@
 """Shared-memory transport: every dtype and structure, lifetimes, reuse and release."""
 from __future__ import annotations
 
+import errno
 import gc
 import os
 from typing import Any
@@ -156,11 +157,12 @@ def test_small_dev_shm_warns_at_the_first_batch_naming_sizes_and_fix(monkeypatch
     real = os.statvfs
 
     class Tiny:
-        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+        f_bavail, f_blocks, f_frsize = 16, 32, 4096  # 64 KiB free of 128 KiB
 
     monkeypatch.setattr(_transport.os, "statvfs", lambda path: Tiny() if path == "/dev/shm" else real(path))
     with DataLoader(np.zeros((64, 1024), np.float32), batch_size=16, num_workers=1) as loader:
-        with pytest.warns(ResourceWarning, match=r"/dev/shm has 0 MiB free.*needs about .* MiB.*--shm-size"):
+        # RuntimeWarning: shown under Python's default filters, which hide ResourceWarnings
+        with pytest.warns(RuntimeWarning, match=r"/dev/shm has 0 MiB free \(of 0 MiB\).*needs about .* MiB.*--shm-size"):
             next(iter(loader))
 
 
@@ -182,3 +184,56 @@ def test_worker_discards_only_its_own_segment_not_those_whose_names_extend_it() 
                 os.unlink(f"/dev/shm/{name}")
             except FileNotFoundError:
                 pass
+
+
+def test_full_dev_shm_is_an_error_naming_its_size_and_the_fix(monkeypatch) -> None:
+    from gloader import _transport
+
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_transport.os, "posix_fallocate", no_space)
+    cache = SegmentCache(4)
+    with pytest.raises(OSError, match=r"/dev/shm is full: a batch needs .* MiB free of .* MiB.*--shm-size"):
+        cache.create(f"gltest{os.getpid()}_", 4096)
+    assert shm_entries(f"gltest{os.getpid()}_") == []
+
+
+def test_planted_files_of_another_user_never_make_cleanup_raise(monkeypatch) -> None:
+    from gloader import _transport
+
+    prefix = f"gltest{os.getpid()}_planted_"
+    path = f"/dev/shm/{prefix}w1_1"
+    with open(path, "wb"):
+        pass
+    try:
+        other_user = os.getuid() + 1
+        monkeypatch.setattr(_transport.os, "getuid", lambda: other_user)  # as if the file were another user's
+        assert _transport.unlink_prefix(prefix) == 0 and os.path.exists(path)
+    finally:
+        os.unlink(path)
+
+
+def test_worker_segment_names_have_a_random_part() -> None:
+    cache = SegmentCache(4)
+    prefix = f"gltest{os.getpid()}_names_"
+    names = []
+    try:
+        for _ in range(2):
+            names.append(cache.create(prefix, 4096)[0])
+        suffixes = [name.rsplit("_", 1)[1] for name in names]
+        assert all(len(s) == 8 for s in suffixes) and suffixes[0] != suffixes[1]
+    finally:
+        cache.close()
+        for name in names:
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_batch_freed_while_the_slot_pool_holds_its_lock_does_not_deadlock() -> None:
+    with DataLoader(np.zeros((8, 4), np.float32), batch_size=4, num_workers=1) as loader:
+        batch = next(iter(loader))
+        slots = loader._engine.slots
+        with slots._lock:  # as if the collector ran inside acquire(): release() comes from this thread
+            del batch
+            gc.collect()
+        assert slots.acquire()[0] is not None  # the slot came back

@@ -1,0 +1,116 @@
+"""Faults found in the field: idle worker deaths, shared pools that must recover, exits in
+datasets, keys, superseded iterators, thread workers and impossible resume states."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import gloader
+from gloader import DataLoader, WorkerPool
+from tests import _data
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _kill_and_wait_for_replacement(pids: list[int], victim: int) -> None:
+    os.kill(victim, signal.SIGKILL)
+    assert wait_until(lambda: victim not in pids() and len(pids()) == 2, 10.0)  # the pool replaced it
+
+
+def test_a_worker_dying_while_idle_is_reported_once_then_loading_goes_on() -> None:
+    with DataLoader(_data.WhoLoads(), batch_size=4, num_workers=2) as loader:
+        list(loader)
+        victim = loader.worker_pids()[0]
+        _kill_and_wait_for_replacement(loader.worker_pids, victim)
+        with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) was ended by SIGKILL"):
+            list(loader)
+        rows = torch.cat(list(loader))  # the next epoch runs on new workers
+    assert sorted(rows[:, 2].tolist()) == list(range(16))
+
+
+def test_a_shared_pool_recovers_from_a_dead_worker_and_gives_the_replacement_its_id() -> None:
+    with WorkerPool(2) as pool:
+        with DataLoader(_data.WhoLoads(), batch_size=1, pool=pool) as first:
+            list(first)
+            victim = pool.worker_pids()[0]
+            _kill_and_wait_for_replacement(pool.worker_pids, victim)
+            with pytest.raises(gloader.WorkerExitedError, match=f"pid {victim}"):
+                list(first)
+            assert len(torch.cat(list(first))) == 16  # reported once: the next epoch works
+        with DataLoader(_data.WhoLoads(), batch_size=1, pool=pool) as second:  # the pool is not poisoned
+            rows = torch.cat(list(second))
+    by_id: dict[int, set[int]] = {}
+    for worker_id, pid, _ in rows.tolist():
+        by_id.setdefault(worker_id, set()).add(pid)
+    assert set(by_id) <= {0, 1} and all(len(pids) == 1 for pids in by_id.values())
+    assert len(set().union(*by_id.values())) == len(by_id)  # one pid per id: ids stay unique
+
+
+def test_a_hung_worker_on_a_shared_pool_is_replaced_after_the_timeout() -> None:
+    with WorkerPool(2) as pool:
+        with DataLoader(_data.Sleepy(slow=1, seconds=60.0, length=4), batch_size=1, pool=pool, timeout=0.5) as slow:
+            with pytest.raises(gloader.BatchTimeoutError):
+                list(slow)
+        with DataLoader(np.arange(8), batch_size=2, pool=pool, timeout=10) as other:
+            assert torch.cat(list(other)).tolist() == list(range(8))  # both workers serve again
+
+
+def test_a_dead_worker_is_reported_promptly() -> None:
+    with DataLoader(_data.Sleepy(slow=2, seconds=30.0), batch_size=2, num_workers=1) as loader:
+        it = iter(loader)
+        next(it)  # batch 0; the worker goes on to batch 1, stuck in sample 2
+        victim = loader.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(gloader.WorkerExitedError, match=f"pid {victim}"):
+            next(it)
+        assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("mode", [{"num_workers": 1}, {"num_workers": 1, "thread_pool": True}])
+def test_sys_exit_in_a_worker_is_an_error_not_the_end_of_the_script(mode: dict) -> None:
+    with DataLoader(_data.ExitsAt(2), batch_size=2, **mode) as loader:
+        with pytest.raises(RuntimeError, match=r"SystemExit\(7\) was raised in gloader worker 0.*must raise an "
+                                               r"exception, not exit"):
+            list(loader)
+
+
+@pytest.mark.parametrize("mode", [{}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
+def test_sampler_keys_reach_getitem_unchanged_in_every_mode(mode: dict) -> None:
+    keys = [1.7, (0, 224), "a"]
+    with DataLoader(_data.KeyEcho(), batch_size=3, sampler=keys, **mode) as loader:
+        assert next(iter(loader)) == [repr(k) for k in keys]
+
+
+def test_zip_of_one_loader_with_itself_raises_instead_of_yielding_nothing() -> None:
+    loader = DataLoader(np.arange(8), batch_size=2)
+    with pytest.raises(RuntimeError, match="serves one iterator at a time"):
+        list(zip(loader, loader))
+
+
+def test_thread_workers_see_a_dataset_changed_between_epochs() -> None:
+    dataset = _data.Tag()
+    with DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, thread_pool=True) as loader:
+        list(loader)
+        dataset.tag = 1
+        assert (torch.cat(list(loader))[:, 0] == 1).all()
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("batches_yielded", -3, r"state\['batches_yielded'\] must be an integer >= 0, got -3"),
+    ("batches_yielded", 99, r"state\['batches_yielded'\]=99 exceeds the 4 batches"),
+    ("seed", -1, r"state\['seed'\] must be an integer >= 0, got -1"),
+    ("epoch", "x", r"state\['epoch'\] must be an integer >= 0, got 'x'"),
+])
+def test_load_state_dict_rejects_impossible_states_naming_the_field(field: str, value, says: str) -> None:
+    loader = DataLoader(np.arange(8), batch_size=2)
+    state = loader.state_dict()
+    state[field] = value
+    with pytest.raises(ValueError, match=says):
+        loader.load_state_dict(state)
