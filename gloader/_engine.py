@@ -146,7 +146,7 @@ class _OnPool:
     def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
         if self.owns_core:
             self.core.close(prompt)
-        else:
+        elif not self.core.closed:  # a closed pool's workers are gone: nothing left to wait for
             drain(_LEAVE_AFTER_FAILURE_S if prompt else _LEAVE_SHARED_POOL_S)
         self.core.leave(self._loader_id)
         if self.slots is not None:

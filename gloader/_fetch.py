@@ -21,8 +21,11 @@ from .batchify import plan_batch
 __all__ = ["BatchWriter", "Cursor", "DirectWriter", "SharedMemoryWriter", "load_batch"]
 
 # Segments a process worker keeps mapped; see SegmentCache. Larger: fewer re-maps when many
-# slots circulate; smaller: retired segments are unmapped (and freed) sooner.
+# slots circulate; smaller: fewer mappings to check when pruning.
 _MAX_MAPPED_SEGMENTS = 32
+# Batches between two prunes of a worker's mappings (a stat per mapped segment). Smaller:
+# memory of retired segments returns sooner; larger: less per-batch cost (~1 us per stat).
+_PRUNE_EVERY_BATCHES = 8
 
 
 class BatchWriter(Protocol):
@@ -52,9 +55,13 @@ class SharedMemoryWriter:
 
     def __init__(self) -> None:
         self.cache = SegmentCache(_MAX_MAPPED_SEGMENTS)
+        self._written = 0
 
     def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: str | None,
               slot_capacity: int, prefix: str) -> Any:
+        self._written += 1
+        if self._written % _PRUNE_EVERY_BATCHES == 0:
+            self.cache.prune()  # give back the memory of segments the caller has retired
         return pack_batch(plan_batch(batchify_fn, samples), slot, slot_capacity, prefix, self.cache)
 
     def discard(self, batch: Any) -> None:

@@ -67,8 +67,11 @@ class _StreamBatches(_HostBatches):
     its own shard, and the shards take turns (shard 0's first batch, shard 1's first, ...,
     skipping ended shards), as torch's DataLoader orders them."""
 
-    def __init__(self, engine: Engine, schedule: Schedule, epoch: Epoch, stats: PipelineStats) -> None:
+    def __init__(self, engine: Engine, schedule: Schedule, epoch: Epoch, stats: PipelineStats,
+                 timeout_s: float) -> None:
         super().__init__(engine, schedule, epoch, stats)
+        self._timeout_s = timeout_s
+        self._progress_at = time.monotonic()  # a batch arrived or a shard ended
         self._waiting: dict[int, collections.deque[Any]] = {shard: collections.deque()
                                                              for shard in range(engine.shards)}
         self._live = list(range(engine.shards))  # shards still taking turns, in turn order
@@ -92,12 +95,24 @@ class _StreamBatches(_HostBatches):
                 self._ended.update(self._live)
                 continue
             done = max(got.worker_id, 0)  # in-process loading is shard 0
-            if isinstance(got.batch, ShardEnd):
-                self._ended.add(done)
-            else:
+            if not isinstance(got.batch, ShardEnd):
                 self._waiting[done].append(got.batch)
+                self._progress_at = time.monotonic()
+            elif done not in self._ended:
+                self._ended.add(done)
+                self._progress_at = time.monotonic()
+            elif time.monotonic() - self._progress_at > self._timeout_s:
+                self._no_progress(shard)
         self._engine.discard(self._epoch.number)  # tasks still out can only answer "shard ended"
         raise StopIteration
+
+    def _no_progress(self, shard: int) -> None:
+        self.ended = True
+        self._engine.discard(self._epoch.number)
+        raise BatchTimeoutError(f"stream epoch {self._epoch.number} made no progress for more than "
+                                f"{self._timeout_s:g} s (the loader's timeout): only ended shards answered, while "
+                                f"shard {shard} neither sent a batch nor ended. Raise timeout= if a shard is "
+                                "legitimately that slow, or look for a hang in the dataset's __iter__")
 
 
 _END = object()
@@ -118,7 +133,8 @@ class EpochIterator:
         self._engine = engine
         self._stats = stats
         self._device = device
-        self._host = (_StreamBatches if config.stream is not None else _HostBatches)(engine, schedule, epoch, stats)
+        self._host = (_StreamBatches(engine, schedule, epoch, stats, config.timeout_s) if config.stream is not None
+                      else _HostBatches(engine, schedule, epoch, stats))
         self._ahead: Any = None
         self._ahead_error: BaseException | None = None
         self._replaced_by = ""

@@ -41,6 +41,54 @@ _KILL_S = 2.0
 _POOL_THREADS_S = 5.0
 
 
+def _make_task_queue_class() -> Any:
+    """The pool's task queue, saying which worker holds its read lock.
+
+    An idle worker waits for its next task holding the queue's read lock. Killed there (the
+    out-of-memory killer picks idle workers too), it takes the lock with it and no worker
+    can read a task again: a pool that outlives the death (a shared WorkerPool) would hang.
+    The queue records the holder's pid, so the caller can release the lock for a dead holder
+    (`PoolCore.find_dead_worker`); a multiprocess Lock is a semaphore, any process may.
+    Built lazily (importing gloader does not import multiprocess's queues).
+    """
+    global _TaskQueue
+    if _TaskQueue is None:
+        from multiprocess import context
+        from multiprocess.queues import SimpleQueue, _ForkingPickler
+
+        class TaskQueue(SimpleQueue):  # type: ignore[misc]
+            def __init__(self, *, ctx: Any) -> None:
+                super().__init__(ctx=ctx)
+                self.reader_pid = ctx.Value("q", 0, lock=False)
+
+            def __reduce__(self) -> Any:  # for spawned workers: rebuilt by a module-level function
+                context.assert_spawning(self)
+                return (_rebuild_task_queue, ((self._reader, self._writer, self._rlock, self._wlock),
+                                              self.reader_pid))
+
+            def get(self) -> Any:
+                with self._rlock:
+                    self.reader_pid.value = os.getpid()
+                    data = self._reader.recv_bytes()
+                    self.reader_pid.value = 0
+                return _ForkingPickler.loads(data)
+
+        _TaskQueue = TaskQueue
+    return _TaskQueue
+
+
+_TaskQueue: Any = None
+
+
+def _rebuild_task_queue(state: Any, reader_pid: Any) -> Any:
+    cls = _make_task_queue_class()
+    queue = cls.__new__(cls)
+    (queue._reader, queue._writer, queue._rlock, queue._wlock) = state
+    queue._poll = queue._reader.poll
+    queue.reader_pid = reader_pid
+    return queue
+
+
 def _make_pool_class() -> type:
     """A `multiprocess.Pool` without three per-batch costs that gloader does not need.
 
@@ -86,6 +134,7 @@ def _make_pool_class() -> type:
 
         def _setup_queues(self) -> None:
             super()._setup_queues()
+            self._inqueue = _make_task_queue_class()(ctx=self._ctx)
             send_bytes = self._inqueue._writer.send_bytes
             dill_send = self._inqueue._writer.send
 
@@ -170,6 +219,13 @@ class PoolCore:
         """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult."""
         return self.pool.apply_async(run_task, args)
 
+    @property
+    def closed(self) -> bool:
+        """Closed by us, or terminated by multiprocess (at interpreter exit)."""
+        from multiprocess.pool import RUN
+
+        return self._closed or self.pool._state != RUN
+
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes (empty for threads)."""
         return [] if self.is_thread else [p.pid for p in list(self.pool._pool)]
@@ -188,6 +244,7 @@ class PoolCore:
             code = process.exitcode
             if code is not None and process.pid not in self._reported:
                 self._reported.add(process.pid)  # reported once: the pool has replaced it
+                self._free_task_queue_of(process.pid)
                 if not self._has_started(process.pid):
                     return (f"gloader worker (pid {process.pid}) exited with code {code} while starting, before "
                             "it could load anything; under spawn or forkserver the main script is imported "
@@ -195,6 +252,14 @@ class PoolCore:
                             "traceback is on stderr)")
                 return f"gloader worker (pid {process.pid}) {describe_exit(code)}{self._doing(process.pid)}"
         return None
+
+    def _free_task_queue_of(self, pid: int) -> None:
+        """Release the task queue's read lock if dead worker `pid` held it (see the queue)."""
+        queue = self.pool._inqueue
+        if queue.reader_pid.value == pid:
+            queue.reader_pid.value = 0
+            queue._rlock.release()
+            logger.warning("gloader worker %d died waiting for a task; released the task queue for the others", pid)
 
     def kill_worker_loading(self, loader_id: int, epoch: int, batch_index: int) -> int | None:
         """Kill the worker process stuck on that batch (a shared pool's hung worker would hold
@@ -325,21 +390,33 @@ def _join_all(processes: list[Any], timeout_s: float) -> bool:
 
 # Pools still running at interpreter exit; closed by the exit hook below, before
 # multiprocess's own exit handler would terminate (and noisily join) them.
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+# Each with the pid of the process that made it: forked workers inherit this table, and
+# run the exit hook too (multiprocess's bootstrap calls threading._shutdown), but the
+# parent's pools are not theirs to close.
+_LIVE: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def track(owner: Any) -> None:
     """Have the exit hook close `owner` (anything with `close()`) if it is still open."""
-    _LIVE.add(owner)
+    _LIVE[owner] = os.getpid()
 
 
-@atexit.register
 def _close_live_pools() -> None:
-    for owner in list(_LIVE):
+    # Loaders first: a loader leaving a shared pool waits for its own tasks, which a pool
+    # closed before it could never finish.
+    mine = [owner for owner, pid in list(_LIVE.items()) if pid == os.getpid()]
+    for owner in sorted(mine, key=lambda owner: isinstance(owner, WorkerPool)):
         try:
             owner.close()
         except Exception:  # exit must go on; say what failed
             logger.warning("closing %r at exit failed", owner, exc_info=True)
+
+
+# Run before threads are joined and before any atexit handler, multiprocess's included (it
+# would terminate the pools under us, and a loader leaving a shared pool would then wait for
+# tasks that can never finish); concurrent.futures registers its exit hook the same way.
+_register_exit = getattr(threading, "_register_atexit", atexit.register)
+_register_exit(_close_live_pools)
 
 
 class WorkerPool:

@@ -152,6 +152,15 @@ class SegmentCache:
         self._remember(name, segment)
         return name, segment
 
+    def prune(self) -> int:
+        """Unmap segments whose names are gone: the caller retired them (a surplus slot after
+        the user dropped a burst of held batches), and only this mapping still holds their
+        memory. Returns how many were unmapped."""
+        gone = [name for name in self._maps if not os.path.exists(_path(name))]
+        for name in gone:
+            self.forget(name)
+        return len(gone)
+
     def forget(self, name: str) -> None:
         segment = self._maps.pop(name, None)
         if segment is not None:

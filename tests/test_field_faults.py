@@ -114,3 +114,81 @@ def test_load_state_dict_rejects_impossible_states_naming_the_field(field: str, 
     state[field] = value
     with pytest.raises(ValueError, match=says):
         loader.load_state_dict(state)
+
+
+def _shm_used_bytes() -> int:
+    stats = os.statvfs("/dev/shm")
+    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+
+
+def test_memory_of_dropped_batches_returns_within_the_window_and_a_few_spares() -> None:
+    batch_bytes = 16 * 65536  # 1 MiB
+    with DataLoader(np.zeros((640, 65536), np.uint8), batch_size=16, num_workers=2) as loader:
+        base = _shm_used_bytes()
+        held = list(loader)  # 40 batches held at once: 40 segments
+        assert _shm_used_bytes() - base >= 30 * batch_bytes
+        del held
+        for _ in loader:  # workers drop their mappings of the segments the caller retired
+            pass
+        # window (4) + the caller's spare slots (2) + the batch being handed over + headroom
+        assert _shm_used_bytes() - base <= (loader.prefetch_factor * loader.num_workers + 6) * batch_bytes * 1.2
+
+
+def test_a_stream_epoch_whose_shard_never_answers_times_out_instead_of_spinning() -> None:
+    from gloader._engine import Collected
+    from gloader._iterator import _StreamBatches
+    from gloader._protocol import ShardEnd, StreamRequest
+    from gloader._schedule import Schedule
+    from gloader._stats import PipelineStats
+
+    class OnlyShardZeroAnswers:  # shard 1's worker is gone: every answer is shard 0's "ended"
+        shards = 2
+        discarded: list[int] = []
+
+        def fill(self, next_job) -> None:
+            next_job()
+
+        def collect(self, epoch: int) -> Collected:
+            return Collected(ShardEnd(0), 0.0, 0.0, 0.0, 0)
+
+        def discard(self, epoch: int) -> None:
+            self.discarded.append(epoch)
+
+    schedule = Schedule(None, StreamRequest(2, True), 0, lookahead=False)
+    engine = OnlyShardZeroAnswers()
+    batches = _StreamBatches(engine, schedule, schedule.open(), PipelineStats(), timeout_s=0.2)  # type: ignore[arg-type]
+    started = time.monotonic()
+    with pytest.raises(gloader.BatchTimeoutError, match="shard 1 neither sent a batch nor ended"):
+        batches.next()
+    assert 0.2 <= time.monotonic() - started < 5.0 and engine.discarded == [0]
+
+
+@pytest.mark.parametrize("run", range(3))  # the exit hooks' order varied from run to run
+def test_interpreter_exit_with_a_shared_pool_open_is_prompt_and_quiet(tmp_path, run: int) -> None:
+    from tests.test_faults import _run_script, _wait_line
+
+    with _run_script(tmp_path, """
+        from gloader import WorkerPool
+        pool = WorkerPool(2)
+        loader = DataLoader(np.arange(64, dtype=np.float32), batch_size=8, pool=pool)
+        it = iter(loader)
+        next(it)  # batches in flight on the shared pool as the script ends
+        print(pool.shm_prefix, flush=True)
+        """) as proc:
+        prefix = _wait_line(proc)
+        started = time.monotonic()
+        assert proc.wait(20) == 0
+        elapsed = time.monotonic() - started
+        stderr = proc.stderr.read()
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    assert elapsed < 4.0
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+
+
+def test_closing_a_loader_after_its_shared_pool_is_quiet() -> None:
+    pool = WorkerPool(2)
+    loader = DataLoader(np.arange(64, dtype=np.float32), batch_size=8, pool=pool)
+    it = iter(loader)
+    next(it)
+    pool.close()
+    loader.close()  # the leak guard checks fds, processes and /dev/shm after the test
