@@ -29,22 +29,22 @@ def check_last_batch(last_batch: Any) -> str:
     return str(last_batch)
 
 
+def _check_int_from(name: str, value: Any, lowest: int, kind: str) -> int:
+    if not is_int(value):
+        raise TypeError(f"{name} must be {kind}, got {value!r} of type {type(value).__name__}")
+    if value < lowest:
+        raise ValueError(f"{name} must be >= {lowest}, got {value}")
+    return int(value)
+
+
 def check_positive_int(name: str, value: Any) -> int:
     """Return `value` as int when it is an integer >= 1; TypeError/ValueError otherwise."""
-    if not is_int(value):
-        raise TypeError(f"{name} must be a positive integer, got {value!r} of type {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
+    return _check_int_from(name, value, 1, "a positive integer")
 
 
 def check_non_negative_int(name: str, value: Any) -> int:
     """Return `value` as int when it is an integer >= 0; TypeError/ValueError otherwise."""
-    if not is_int(value):
-        raise TypeError(f"{name} must be an integer >= 0, got {value!r} of type {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return _check_int_from(name, value, 0, "an integer >= 0")
 
 
 def check_start_method(start_method: Any) -> str | None:
