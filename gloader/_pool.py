@@ -344,12 +344,8 @@ class PoolCore:
         pool.close()  # ask: each idle worker takes a stop sentinel and exits
         processes = list(pool._pool)
         if prompt or not _join_all(processes, _ASK_S):
-            # The pool would start replacements for the workers stopped below while tasks are
-            # pending; tell its maintenance thread to stop first.
-            from multiprocess.pool import TERMINATE
-
-            pool._worker_handler._state = TERMINATE
-            alive = [p for p in processes if p.exitcode is None]
+            self._stop_maintenance()
+            alive = [p for p in set(processes) | set(pool._pool) if p.exitcode is None]
             if prompt:
                 logger.warning("gloader workers %s: terminating them after a failed batch (a dead worker or "
                                "a timeout)", [p.pid for p in alive])
@@ -367,11 +363,30 @@ class PoolCore:
                 if not _join_all(alive, _KILL_S):
                     logger.warning("gloader workers %s survived SIGKILL", [p.pid for p in alive if p.exitcode is None])
         # A worker killed while waiting for a task holds the task queue's read lock forever,
-        # and pool.terminate() would block acquiring it. Every worker is gone now: free it.
-        lock = pool._inqueue._rlock
-        lock.acquire(block=False)
-        lock.release()
+        # one killed while sending a result the result queue's write lock, and
+        # pool.terminate() would block on either. Every worker is gone now: free both.
+        for lock in (pool._inqueue._rlock, pool._outqueue._wlock):
+            if lock is not None:  # no write lock where pipe writes are atomic (Windows)
+                lock.acquire(block=False)
+                lock.release()
         self._stop_pool_threads()
+
+    def _stop_maintenance(self) -> None:
+        """Stop the pool's maintenance thread before stopping workers.
+
+        While tasks are pending it starts a replacement for every worker that exits, and a
+        replacement started after `close()` sent its stop sentinels idles forever holding the
+        task queue's read lock, on which `pool.terminate()` then blocks. Waking it is needed:
+        it sleeps until notified.
+        """
+        from multiprocess.pool import TERMINATE
+
+        pool = self.pool
+        pool._worker_handler._state = TERMINATE
+        pool._change_notifier.put(None)
+        pool._worker_handler.join(_POOL_THREADS_S)
+        if pool._worker_handler.is_alive():
+            logger.warning("the pool's maintenance thread did not stop within %.1f s", _POOL_THREADS_S)
 
     def _stop_pool_threads(self) -> None:
         stopper = threading.Thread(target=self.pool.terminate, name="gloader-pool-stop", daemon=True)

@@ -17,6 +17,7 @@ The whole flow is drawn in `_engine`.
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import glob
 import logging
@@ -45,13 +46,15 @@ _ALIGN_BYTES = 64
 # slowly growing padded batches reuse it instead of creating a new segment each time.
 _HEADROOM_EIGHTHS = 1
 _PAGE_BYTES = mmap.PAGESIZE
+# A mapped segment: a ctypes byte array over the mapping (see _map_fd).
+Segment = Any
 
 
 def _path(name: str) -> str:
     return os.path.join(_SHM_DIR, name)
 
 
-def _map_segment(name: str, capacity: int, create: bool) -> mmap.mmap:
+def _map_segment(name: str, capacity: int, create: bool) -> Segment:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(_path(name), flags, 0o600)
     try:
@@ -64,7 +67,7 @@ def _map_segment(name: str, capacity: int, create: bool) -> mmap.mmap:
                 if exc.errno == errno.ENOSPC:
                     raise _out_of_space(capacity) from exc
                 raise
-        return mmap.mmap(fd, capacity)
+        return _map_fd(fd, capacity)
     except BaseException:
         if create:
             os.unlink(_path(name))
@@ -111,11 +114,39 @@ def unlink_prefix(prefix: str) -> int:
     return removed
 
 
-def _close_map(segment: mmap.mmap) -> None:
-    try:
-        segment.close()
-    except BufferError:
-        pass  # still viewed by a live tensor: the mapping goes away when that tensor does
+_LIBC: Any = None
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC = libc
+    return _LIBC
+
+
+def _map_fd(fd: int, size: int) -> Segment:
+    """Map `size` bytes of `fd` shared, keeping no file descriptor.
+
+    Python's mmap.mmap duplicates the descriptor and keeps it while mapped: one fd per batch
+    the caller holds, so ~1,000 held batches hit the usual `ulimit -n 1024`. Mapped here with
+    libc's mmap, the segment is a ctypes byte array over the mapping, unmapped when it and
+    every numpy/torch view of it are freed (views keep it alive through their base), so
+    dropping our own reference is all that releasing a mapping takes.
+    """
+    libc = _libc()
+    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mapping {size} bytes of shared memory failed: {os.strerror(code)}")
+    segment = (ctypes.c_ubyte * size).from_address(address)
+    weakref.finalize(segment, libc.munmap, address, size).atexit = False  # views may outlive exit hooks
+    return segment
 
 
 class SegmentCache:
@@ -131,10 +162,10 @@ class SegmentCache:
 
     def __init__(self, max_maps: int) -> None:
         self._max_maps = max_maps
-        self._maps: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
+        self._maps: collections.OrderedDict[str, Segment] = collections.OrderedDict()
         self._created = 0
 
-    def get(self, name: str, capacity: int) -> mmap.mmap:
+    def get(self, name: str, capacity: int) -> Segment:
         segment = self._maps.get(name)
         if segment is None or len(segment) < capacity:
             segment = _map_segment(name, capacity, create=False)
@@ -143,7 +174,7 @@ class SegmentCache:
             self._maps.move_to_end(name)
         return segment
 
-    def create(self, prefix: str, capacity: int) -> tuple[str, mmap.mmap]:
+    def create(self, prefix: str, capacity: int) -> tuple[str, Segment]:
         self._created += 1
         # A random part: another local user who sees the prefix in /dev/shm cannot plant the
         # next name ahead of us (creation is O_EXCL and would fail).
@@ -162,22 +193,17 @@ class SegmentCache:
         return len(gone)
 
     def forget(self, name: str) -> None:
-        segment = self._maps.pop(name, None)
-        if segment is not None:
-            _close_map(segment)
+        self._maps.pop(name, None)  # unmapped once no view of it is left (see _map_fd)
 
     def close(self) -> None:
         for name in list(self._maps):
             self.forget(name)
 
-    def _remember(self, name: str, segment: mmap.mmap) -> None:
-        old = self._maps.pop(name, None)
-        if old is not None:
-            _close_map(old)
+    def _remember(self, name: str, segment: Segment) -> None:
+        self._maps.pop(name, None)
         self._maps[name] = segment
         while len(self._maps) > self._max_maps:
-            _, evicted = self._maps.popitem(last=False)
-            _close_map(evicted)
+            self._maps.popitem(last=False)
 
 
 def _encode(plan: Any, offsets: dict[int, int]) -> Any:
@@ -284,7 +310,7 @@ class SlotPool:
         # Re-entrant: a batch freed by the garbage collector while this thread holds the lock
         # (any allocation inside it can trigger a collection) calls release() right here.
         self._lock = threading.RLock()
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, Segment] = {}
         self._free: list[str] = []
         self._closed = False
         self.segments_created = 0
@@ -330,13 +356,11 @@ class SlotPool:
         """Return a slot to the free list (or unlink it when closed or in surplus)."""
         with self._lock:
             if self._closed or len(self._free) >= self._max_spare:
-                segment = self._maps.pop(name, None)
+                self._maps.pop(name, None)  # unmapped once no view of it is left (see _map_fd)
             else:
                 self._free.append(name)
                 return
         unlink_segment(name)
-        if segment is not None:
-            _close_map(segment)
 
     def in_use_bytes(self) -> int:
         """Bytes of shared memory this loader holds mapped (free slots included)."""
@@ -349,9 +373,8 @@ class SlotPool:
             self._closed = True
             maps, self._maps = self._maps, {}
             self._free = []
-        for name, segment in maps.items():
+        for name in maps:
             unlink_segment(name)
-            _close_map(segment)
         removed = unlink_prefix(self.prefix)  # created by workers but never handed over
         if removed:
             logger.debug("removed %d segments of %s that were still in flight at close", removed, self.prefix)
@@ -368,14 +391,11 @@ class SlotPool:
                 self.segments_created += 1
         if closed:
             unlink_segment(name)
-            _close_map(segment)
 
     def _retire(self, name: str) -> None:
         with self._lock:
-            segment = self._maps.pop(name, None)
+            self._maps.pop(name, None)
         unlink_segment(name)
-        if segment is not None:
-            _close_map(segment)
 
     def warn_if_shm_small(self, batch_bytes: int, window: int) -> None:
         """Warn once when /dev/shm cannot hold `window` batches of `batch_bytes`."""
