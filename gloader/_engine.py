@@ -106,8 +106,7 @@ class _InProcess:
     slots: SlotPool | None = None
     shards = 1
 
-    def __init__(self, config: LoaderConfig, loader_id: int, payload: Payload) -> None:
-        self._loader_id = loader_id
+    def __init__(self, config: LoaderConfig, payload: Payload) -> None:
         self._registration = Registration(dataset=payload.parts[0], batchify_fn=payload.parts[1])
         self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
 
@@ -155,7 +154,7 @@ class _OnPool:
 
 def _start(config: LoaderConfig, loader_id: int, make_payload: Callable[[str, bool], Payload]) -> _InProcess | _OnPool:
     if config.num_workers == 0:
-        return _InProcess(config, loader_id, make_payload("", False))
+        return _InProcess(config, make_payload("", False))
     import multiprocess
 
     start_method = multiprocess.get_context(config.start_method).get_start_method()

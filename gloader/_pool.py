@@ -23,6 +23,7 @@ import weakref
 from typing import Any
 
 from ._checks import check_positive_int, check_start_method
+from ._mppool import make_pool_class
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._transport import unlink_prefix
@@ -39,116 +40,6 @@ _TERMINATE_S = 1.5
 _KILL_S = 2.0
 # Deadline for the pool's own bookkeeping threads once every worker is gone.
 _POOL_THREADS_S = 5.0
-
-
-def _make_task_queue_class() -> Any:
-    """The pool's task queue, saying which worker holds its read lock.
-
-    An idle worker waits for its next task holding the queue's read lock. Killed there (the
-    out-of-memory killer picks idle workers too), it takes the lock with it and no worker
-    can read a task again: a pool that outlives the death (a shared WorkerPool) would hang.
-    The queue records the holder's pid, so the caller can release the lock for a dead holder
-    (`PoolCore.find_dead_worker`); a multiprocess Lock is a semaphore, any process may.
-    Built lazily (importing gloader does not import multiprocess's queues).
-    """
-    global _TaskQueue
-    if _TaskQueue is None:
-        from multiprocess import context
-        from multiprocess.queues import SimpleQueue, _ForkingPickler
-
-        class TaskQueue(SimpleQueue):  # type: ignore[misc]
-            def __init__(self, *, ctx: Any) -> None:
-                super().__init__(ctx=ctx)
-                self.reader_pid = ctx.Value("q", 0, lock=False)
-
-            def __reduce__(self) -> Any:  # for spawned workers: rebuilt by a module-level function
-                context.assert_spawning(self)
-                return (_rebuild_task_queue, ((self._reader, self._writer, self._rlock, self._wlock),
-                                              self.reader_pid))
-
-            def get(self) -> Any:
-                with self._rlock:
-                    self.reader_pid.value = os.getpid()
-                    data = self._reader.recv_bytes()
-                    self.reader_pid.value = 0
-                return _ForkingPickler.loads(data)
-
-        _TaskQueue = TaskQueue
-    return _TaskQueue
-
-
-_TaskQueue: Any = None
-
-
-def _rebuild_task_queue(state: Any, reader_pid: Any) -> Any:
-    cls = _make_task_queue_class()
-    queue = cls.__new__(cls)
-    (queue._reader, queue._writer, queue._rlock, queue._wlock) = state
-    queue._poll = queue._reader.poll
-    queue.reader_pid = reader_pid
-    return queue
-
-
-def _make_pool_class() -> type:
-    """A `multiprocess.Pool` without three per-batch costs that gloader does not need.
-
-    Measured on W1 (batch 256 of tiny samples), its maintenance thread used 0.4 ms of CPU per
-    batch and its task thread 0.13 ms, more than a worker spends building the batch:
-    1. The maintenance thread also wakes whenever a result is waiting in the result queue
-       (to replace workers under `maxtasksperchild`, unused here) and spins until the result
-       thread has read it. It now wakes only for its notifier and for worker exits.
-    2. It is also woken (by a pickled message on a pipe) every time the result cache
-       empties, which with a small window is nearly every batch; that matters only once the
-       pool is closing, so the cache stays quiet until `close()` sets `closing`.
-    3. Tasks are pickled with dill (~29 us per task tuple here) though gloader's are plain;
-       the stdlib pickler takes ~1 us, and workers' dill reads stdlib pickles. Anything the
-       stdlib pickler refuses still goes through dill.
-    gloader supervises its workers itself (`PoolCore.find_dead_worker`).
-    """
-    # Over 40 lines: one class body, built lazily so that importing gloader does not import
-    # multiprocess's pool; its three overrides only make sense read together.
-    from multiprocess import pool as mp_pool
-
-    class _QuietCache(dict):  # type: ignore[type-arg]
-        """`multiprocess.pool._PoolCache` that notifies on becoming empty only when closing."""
-
-        closing = False
-        notifier: Any
-
-        def __delitem__(self, key: Any) -> None:
-            super().__delitem__(key)
-            if self.closing and not self:
-                self.notifier.put(None)
-
-    class _FastPool(mp_pool.Pool):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._cache.__class__ = _QuietCache
-
-        def _get_sentinels(self) -> list[Any]:
-            return [self._change_notifier._reader]
-
-        def close(self) -> None:
-            self._cache.closing = True
-            super().close()  # wakes the maintenance thread, which sees whether tasks remain
-
-        def _setup_queues(self) -> None:
-            super()._setup_queues()
-            self._inqueue = _make_task_queue_class()(ctx=self._ctx)
-            send_bytes = self._inqueue._writer.send_bytes
-            dill_send = self._inqueue._writer.send
-
-            def quick_put(obj: Any) -> None:
-                try:
-                    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception:
-                    dill_send(obj)
-                    return
-                send_bytes(data)
-
-            self._quick_put = quick_put
-
-    return _FastPool
 
 
 _SIGNAL_CAUSES = {
@@ -209,7 +100,7 @@ class PoolCore:
             self.pool: Any = ThreadPool(num_workers, initializer=initialize_thread_worker,
                                         initargs=(self.spec, registrations))
         else:
-            self.pool = _make_pool_class()(num_workers, initializer=initialize_process_worker,
+            self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
                                            initargs=(self.spec, registrations), context=ctx)
             self._watched = list(self.pool._pool)
         logger.debug("started %d %s workers (%s)", num_workers, "thread" if is_thread else "process",
