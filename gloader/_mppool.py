@@ -1,5 +1,5 @@
-"""gloader's `multiprocess.Pool`: without three per-batch costs, and with a task queue that
-says which worker holds its read lock. Imports nothing of gloader's; `_pool` supervises it.
+"""gloader's `multiprocess.Pool`: without three per-batch costs, and with queues that say
+which worker holds their locks. Imports nothing of gloader's; `_pool` supervises it.
 """
 from __future__ import annotations
 
@@ -7,33 +7,35 @@ import os
 import pickle
 from typing import Any
 
-__all__ = ["make_pool_class"]
+__all__ = ["free_locks_of", "make_pool_class"]
 
 
-def _make_task_queue_class() -> Any:
-    """The pool's task queue, saying which worker holds its read lock.
+def _make_queue_class() -> Any:
+    """The pool's task and result queues, saying which process holds their locks.
 
-    An idle worker waits for its next task holding the queue's read lock. Killed there (the
-    out-of-memory killer picks idle workers too), it takes the lock with it and no worker
-    can read a task again: a pool that outlives the death (a shared WorkerPool) would hang.
-    The queue records the holder's pid, so the caller can release the lock for a dead holder
+    An idle worker waits for its next task holding the task queue's read lock, and a worker
+    sends each result holding the result queue's write lock. Killed there (the out-of-memory
+    killer picks idle workers too), it takes the lock with it, and no worker can read a task
+    (or send a result) again: a pool that outlives the death (a shared WorkerPool) would hang.
+    The queues record the holder's pid, so the caller can release a dead holder's lock
     (`PoolCore.find_dead_worker`); a multiprocess Lock is a semaphore, any process may.
     Built lazily (importing gloader does not import multiprocess's queues).
     """
-    global _TaskQueue
-    if _TaskQueue is None:
+    global _TrackedQueue
+    if _TrackedQueue is None:
         from multiprocess import context
         from multiprocess.queues import SimpleQueue, _ForkingPickler
 
-        class TaskQueue(SimpleQueue):  # type: ignore[misc]
+        class TrackedQueue(SimpleQueue):  # type: ignore[misc]
             def __init__(self, *, ctx: Any) -> None:
                 super().__init__(ctx=ctx)
                 self.reader_pid = ctx.Value("q", 0, lock=False)
+                self.writer_pid = ctx.Value("q", 0, lock=False)
 
             def __reduce__(self) -> Any:  # for spawned workers: rebuilt by a module-level function
                 context.assert_spawning(self)
-                return (_rebuild_task_queue, ((self._reader, self._writer, self._rlock, self._wlock),
-                                              self.reader_pid))
+                return (_rebuild_queue, ((self._reader, self._writer, self._rlock, self._wlock),
+                                         self.reader_pid, self.writer_pid))
 
             def get(self) -> Any:
                 with self._rlock:
@@ -42,20 +44,41 @@ def _make_task_queue_class() -> Any:
                     self.reader_pid.value = 0
                 return _ForkingPickler.loads(data)
 
-        _TaskQueue = TaskQueue
-    return _TaskQueue
+            def put(self, obj: Any) -> None:
+                data = _ForkingPickler.dumps(obj)
+                if self._wlock is None:  # pipe writes are atomic there (Windows)
+                    self._writer.send_bytes(data)
+                    return
+                with self._wlock:
+                    self.writer_pid.value = os.getpid()
+                    self._writer.send_bytes(data)
+                    self.writer_pid.value = 0
+
+        _TrackedQueue = TrackedQueue
+    return _TrackedQueue
 
 
-_TaskQueue: Any = None
+_TrackedQueue: Any = None
 
 
-def _rebuild_task_queue(state: Any, reader_pid: Any) -> Any:
-    cls = _make_task_queue_class()
+def _rebuild_queue(state: Any, reader_pid: Any, writer_pid: Any) -> Any:
+    cls = _make_queue_class()
     queue = cls.__new__(cls)
     (queue._reader, queue._writer, queue._rlock, queue._wlock) = state
     queue._poll = queue._reader.poll
-    queue.reader_pid = reader_pid
+    queue.reader_pid, queue.writer_pid = reader_pid, writer_pid
     return queue
+
+
+def free_locks_of(pool: Any, pid: int) -> bool:
+    """Release the queue locks that dead process `pid` held; whether it held any."""
+    freed = False
+    for queue, holder, lock in ((pool._inqueue, "reader_pid", "_rlock"), (pool._outqueue, "writer_pid", "_wlock")):
+        if getattr(queue, holder).value == pid:
+            getattr(queue, holder).value = 0
+            getattr(queue, lock).release()
+            freed = True
+    return freed
 
 
 def make_pool_class() -> type:
@@ -101,9 +124,10 @@ def make_pool_class() -> type:
             self._cache.closing = True
             super().close()  # wakes the maintenance thread, which sees whether tasks remain
 
-        def _setup_queues(self) -> None:
-            super()._setup_queues()
-            self._inqueue = _make_task_queue_class()(ctx=self._ctx)
+        def _setup_queues(self) -> None:  # multiprocess's own, with the queues that track lock holders
+            self._inqueue = _make_queue_class()(ctx=self._ctx)
+            self._outqueue = _make_queue_class()(ctx=self._ctx)
+            self._quick_get = self._outqueue._reader.recv
             send_bytes = self._inqueue._writer.send_bytes
             dill_send = self._inqueue._writer.send
 

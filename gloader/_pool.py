@@ -23,7 +23,7 @@ import weakref
 from typing import Any
 
 from ._checks import check_positive_int, check_start_method
-from ._mppool import make_pool_class
+from ._mppool import free_locks_of, make_pool_class
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._transport import unlink_prefix
@@ -135,7 +135,7 @@ class PoolCore:
             code = process.exitcode
             if code is not None and process.pid not in self._reported:
                 self._reported.add(process.pid)  # reported once: the pool has replaced it
-                self._free_task_queue_of(process.pid)
+                self._free_queues_of(process.pid)
                 if not self._has_started(process.pid):
                     return (f"gloader worker (pid {process.pid}) exited with code {code} while starting, before "
                             "it could load anything; under spawn or forkserver the main script is imported "
@@ -144,13 +144,10 @@ class PoolCore:
                 return f"gloader worker (pid {process.pid}) {describe_exit(code)}{self._doing(process.pid)}"
         return None
 
-    def _free_task_queue_of(self, pid: int) -> None:
-        """Release the task queue's read lock if dead worker `pid` held it (see the queue)."""
-        queue = self.pool._inqueue
-        if queue.reader_pid.value == pid:
-            queue.reader_pid.value = 0
-            queue._rlock.release()
-            logger.warning("gloader worker %d died waiting for a task; released the task queue for the others", pid)
+    def _free_queues_of(self, pid: int) -> None:
+        """Release the queue locks dead worker `pid` held (see `_mppool`)."""
+        if free_locks_of(self.pool, pid):
+            logger.warning("gloader worker %d died holding a queue lock; released it for the others", pid)
 
     def kill_worker_loading(self, loader_id: int, epoch: int, batch_index: int) -> int | None:
         """Kill the worker process stuck on that batch (a shared pool's hung worker would hold

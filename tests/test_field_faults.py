@@ -203,3 +203,22 @@ def test_holding_many_batches_needs_no_file_descriptor_each() -> None:
         held = list(loader)  # 1,200 batches, each in its own segment while held
         assert len(held) == 1200 and open_fds() - before < 20
         assert torch.cat(held).flatten().tolist() == list(range(1200))
+
+
+def test_a_shared_pool_goes_on_after_a_worker_died_holding_the_result_queue_lock() -> None:
+    with WorkerPool(1) as pool:
+        with DataLoader(np.arange(4), batch_size=2, pool=pool, timeout=10) as loader:
+            list(loader)
+            victim = pool.worker_pids()[0]
+            results = pool.core.pool._outqueue
+            results._wlock.acquire()  # held as by a worker killed while sending a result
+            results.writer_pid.value = victim
+            _kill_and_wait_for_replacement_of_one(pool.worker_pids, victim)
+            with pytest.raises(gloader.WorkerExitedError, match=f"pid {victim}"):
+                list(loader)
+            assert torch.cat(list(loader)).tolist() == [0, 1, 2, 3]  # the replacement can send results
+
+
+def _kill_and_wait_for_replacement_of_one(pids, victim: int) -> None:
+    os.kill(victim, signal.SIGKILL)
+    assert wait_until(lambda: victim not in pids() and len(pids()) == 1, 10.0)
