@@ -104,7 +104,6 @@ class _InProcess:
     """Runs tasks in the caller's thread with the loader's own registration."""
 
     slots: SlotPool | None = None
-    shards = 1
 
     def __init__(self, config: LoaderConfig, payload: Payload) -> None:
         self._registration = Registration(dataset=payload.parts[0], batchify_fn=payload.parts[1])
@@ -130,7 +129,6 @@ class _OnPool:
         self.core = core
         self.owns_core = owns_core
         self.slots = slots
-        self.shards = core.num_workers
         self._loader_id = loader_id
 
     def submit(self, args: tuple[Any, ...]) -> Any:

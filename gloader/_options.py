@@ -64,9 +64,10 @@ class LoaderConfig:
     sampler: Any
     drop_last: bool
     generator: torch.Generator | None
-    persistent_workers: bool
     in_order: bool
     stream_batches: int | None
+
+    persistent_workers = True  # torch's attribute: workers always persist across epochs
 
     @property
     def prefetch_factor(self) -> int | None:
@@ -122,7 +123,7 @@ class LoaderConfig:
                    thread_pool=thread, timeout_s=timeout_s, pin_memory=pin, pin_device_id=pin_id, device=target,
                    start_method=method, worker_init_fn=worker_init_fn, seed=given_seed, base_seed=base_seed,
                    pool=pool, progress=bool(progress), batch_size=plan.batch_size, sampler=plan.sampler,
-                   drop_last=plan.drop_last, generator=generator, persistent_workers=True,
+                   drop_last=plan.drop_last, generator=generator,
                    in_order=_check_bool("in_order", in_order), stream_batches=plan.stream_batches)
 
 

@@ -127,9 +127,6 @@ class WorkerFailure(NamedTuple):
         raise exc from _WorkerTraceback(self.traceback)
 
 
-Message = Loaded | ShardEnd | WorkerFailure
-
-
 def encode(message: Any) -> bytes:
     """Encode an answer for the caller: stdlib pickle, dill only when a value needs it
     (objects defined in `__main__`, lambdas inside a batch)."""

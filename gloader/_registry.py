@@ -166,14 +166,19 @@ def _run_worker_init_fn(fn: Any, registration: Registration, worker_id: int, num
         set_current_info(None)
 
 
+_TORCH_WORKER: Any = None  # torch.utils.data._utils.worker, resolved once (set per batch)
+
+
 def set_torch_worker_info(info: Any) -> None:
     """Make `torch.utils.data.get_worker_info()` return `info` in this process worker."""
-    try:
-        from torch.utils.data._utils import worker as torch_worker
-
-        torch_worker._worker_info = info
-    except Exception:
-        pass
+    global _TORCH_WORKER
+    if _TORCH_WORKER is None:
+        try:
+            from torch.utils.data._utils import worker as torch_worker
+        except ImportError:  # a torch without this private module: its get_worker_info() stays None
+            return
+        _TORCH_WORKER = torch_worker
+    _TORCH_WORKER._worker_info = info
 
 
 def unregister_loader(loader_id: int) -> None:

@@ -107,10 +107,6 @@ class Schedule:
         epoch, self._upcoming = self._upcoming or self._new_epoch(), None
         return epoch
 
-    def peek_upcoming(self) -> Epoch | None:
-        """The epoch opened ahead, if any (not yet served)."""
-        return self._upcoming
-
     def drop_upcoming(self) -> None:
         """Forget the epoch opened ahead (its batches in flight were discarded)."""
         self._upcoming = None

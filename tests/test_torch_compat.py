@@ -55,7 +55,8 @@ def test_torch_keyword_names_work_and_a_clash_with_the_gluon_name_names_both() -
                            "start_method='fork' and multiprocessing_context='spawn'"),
                           ({"seed": 1, "generator": torch.Generator()}, "seed=1 and generator= both"),
                           ({"start_method": "spawn"}, "needs worker processes, but num_workers=0"),
-                          ({"prefetch_factor": 2}, "prefetch_factor=2 needs worker processes")):
+                          ({"prefetch_factor": 2}, "prefetch_factor=2 needs worker processes"),
+                          ({"persistent_workers": True}, "persistent_workers=True needs worker processes")):
         with pytest.raises(ValueError, match=match):
             DataLoader(list(range(5)), **kwargs)
 
