@@ -5,14 +5,14 @@ The whole flow, with who runs each step::
     caller's thread (or its pin thread)          worker (process, thread, or in-process)
     -----------------------------------          ---------------------------------------
     Schedule.next_job(epoch) -> Job(epoch, i, seed, keys)                     (_schedule)
-    Engine.fill: SlotPool.acquire() -> a free slot; submit run_task(loader id,
+    Engine.fill: SlotPool.acquire() -> a free slot (memfd); submit run_task(loader id,
         epoch, i, seed, keys, slot)       ->  WorkerState: registry[loader id]       (_worker)
                                                load_batch: dataset[k] for k in keys  (_fetch)
                                                -> batchify plan -> write into the slot (shm)
                                           <-  Loaded(handle) | ShardEnd | WorkerFailure
     ... up to `prefetch` batches in flight, across the end of an epoch into the next ...
     Engine.collect: wait for the oldest (in short slices: worker exit codes, the timeout);
-        SlotPool.rebuild(handle) -> tensors viewing the slot (zero copy)     (_transport)
+        SlotPool.rebuild(slot, handle) -> tensors viewing the slot (zero copy)  (_transport)
         WorkerFailure.reraise() -> the worker's exception, as its own type   (_protocol)
     EpochIterator: [pin, in its pin thread] -> [to(device) on a side stream] (_device)
         -> the user, counting what it hands over (state_dict, stats)        (_iterator)
@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import time
 import warnings
 from typing import Any, Callable, Iterator, NamedTuple
@@ -38,7 +37,7 @@ from ._pool import PoolCore
 from ._protocol import BatchTimeoutError, Job, Loaded, WorkerExitedError, WorkerFailure, decode, decode_keys
 from ._registry import Payload, Registration
 from ._seed import preserved_global_rng, seed_global_rng
-from ._transport import SlotPool
+from ._transport import Slot, SlotPool
 from ._worker import WorkerState, execute
 
 __all__ = ["Collected", "Engine"]
@@ -53,12 +52,16 @@ _POLL_S = 0.05
 _LEAVE_SHARED_POOL_S = 5.0
 # The same after a dead worker or a timeout, when a task may never finish (its worker is
 # gone): the error should reach the caller promptly. Longer: fewer late writes into slots
-# already released (harmless: they are unlinked); shorter: a faster error.
+# already retired (harmless: nobody reads them); shorter: a faster error.
 _LEAVE_AFTER_FAILURE_S = 0.2
 # Free shared-memory slots a loader keeps mapped beyond those in flight and those the caller
 # holds. Two cover the batch being handed over and the one the caller just dropped. Larger:
-# fewer new segments after the caller holds a burst of batches; smaller: less idle memory.
+# fewer new slots after the caller holds a burst of batches; smaller: less idle memory.
 _SPARE_SLOTS = 2
+# Batches the caller holds whose slots keep their descriptor (so they can be lent again when
+# freed), beyond those in flight and the spares: a training loop holds one or two. Larger:
+# fewer new slots for a loop that keeps a few batches; smaller: fewer open descriptors.
+_HELD_WITH_DESCRIPTOR = 4
 
 
 class Collected(NamedTuple):
@@ -141,31 +144,31 @@ class _OnPool:
         return self.core.worker_pids()
 
     def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
-        if self.owns_core:
-            self.core.close(prompt)
-        elif not self.core.closed:  # a closed pool's workers are gone: nothing left to wait for
-            drain(_LEAVE_AFTER_FAILURE_S if prompt else _LEAVE_SHARED_POOL_S)
-        self.core.leave(self._loader_id)
-        if self.slots is not None:
-            self.slots.close()
+        try:
+            if self.owns_core:
+                self.core.close(prompt)
+            elif not self.core.closed:  # a closed pool's workers are gone: nothing left to wait for
+                drain(_LEAVE_AFTER_FAILURE_S if prompt else _LEAVE_SHARED_POOL_S)
+            self.core.leave(self._loader_id)
+        finally:  # a second Ctrl-C while stopping still releases the shared memory
+            if self.slots is not None:
+                self.slots.close()
 
 
-def _start(config: LoaderConfig, loader_id: int, make_payload: Callable[[str, bool], Payload]) -> _InProcess | _OnPool:
+def _start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], Payload]) -> _InProcess | _OnPool:
     if config.num_workers == 0:
-        return _InProcess(config, make_payload("", False))
+        return _InProcess(config, make_payload(False))
     import multiprocess
 
     start_method = multiprocess.get_context(config.start_method).get_start_method()
     if config.pool is not None:
         core = config.pool.core
-        prefix = f"{config.pool.shm_prefix}{loader_id}_"
-        core.join(loader_id, make_payload(prefix, not config.thread_pool))
+        core.join(loader_id, make_payload(not config.thread_pool))
     else:
-        prefix = f"gl{os.getpid()}_{os.urandom(4).hex()}_{loader_id}_"
         pickled = not config.thread_pool and start_method != "fork"
-        core = PoolCore(config.num_workers, config.thread_pool, config.start_method, prefix,
-                        [(loader_id, make_payload(prefix, pickled))])
-    slots = None if config.thread_pool else SlotPool(prefix, max_spare=_SPARE_SLOTS)
+        core = PoolCore(config.num_workers, config.thread_pool, config.start_method,
+                        [(loader_id, make_payload(pickled))])
+    slots = None if config.thread_pool else SlotPool(_SPARE_SLOTS, config.prefetch + _SPARE_SLOTS + _HELD_WITH_DESCRIPTOR)
     return _OnPool(core, config.pool is None, loader_id, slots)
 
 
@@ -174,7 +177,7 @@ class _Task:
 
     __slots__ = ("job", "slot", "result")
 
-    def __init__(self, job: Job, slot: str | None, result: Any) -> None:
+    def __init__(self, job: Job, slot: Slot | None, result: Any) -> None:
         self.job = job
         self.slot = slot
         self.result = result
@@ -190,10 +193,10 @@ class Engine:
     Args:
         config: the loader's checked arguments.
         loader_id: the loader's id in the workers' registry.
-        make_payload: `make_payload(shm prefix, pickled)` -> what the workers register.
+        make_payload: `make_payload(pickled)` -> what the workers register.
     """
 
-    def __init__(self, config: LoaderConfig, loader_id: int, make_payload: Callable[[str, bool], Payload]) -> None:
+    def __init__(self, config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], Payload]) -> None:
         self._config = config
         self._loader_id = loader_id
         self._make_payload = make_payload
@@ -223,8 +226,8 @@ class Engine:
             job = next_job()
             if job is None:
                 return
-            slot, capacity = slots.acquire() if slots is not None else (None, 0)
-            result = backend.submit((self._loader_id, job.epoch, job.number, job.seed, job.work, slot, capacity))
+            slot = slots.acquire() if slots is not None else None
+            result = backend.submit((self._loader_id, job.epoch, job.number, job.seed, job.work, slot))
             self._tasks.append(_Task(job, slot, result))
 
     def collect(self, epoch: int) -> Collected | None:
@@ -255,21 +258,18 @@ class Engine:
             raise
         ready = time.perf_counter()
         message = task.result.get(0)
-        slots = self._backend.slots if self._backend is not None else None
         if isinstance(message, bytes):
             message = decode(message)
+        slots = self._backend.slots if self._backend is not None else None
         if not isinstance(message, Loaded):
             if slots is not None:
-                slots.settle(task.slot, None)
+                slots.give_back(task.slot, None)
             if isinstance(message, WorkerFailure):
                 message.reraise(epoch)
             return Collected(message, 0.0, 0.0, 0.0, message.worker_id)
         batch = message.batch
         if slots is not None:
-            slots.settle(task.slot, batch)
-            if batch[0] is not None:
-                slots.warn_if_shm_small(batch[1], self._config.prefetch + _SPARE_SLOTS)  # once per loader
-            batch = slots.rebuild(batch)
+            batch = slots.rebuild(task.slot, batch)
         return Collected(batch, message.fetch_s, message.batchify_s, time.perf_counter() - ready, message.worker_id)
 
     def _wait(self, task: _Task) -> None:
@@ -323,10 +323,7 @@ class Engine:
                 message = decode(task.result.get(0))
             except Exception:
                 message = None
-            handle = message.batch if isinstance(message, Loaded) else None
-            slots.settle(task.slot, handle)
-            if handle is not None and handle[0] is not None:
-                slots.release(handle[0])
+            slots.give_back(task.slot, message.batch if isinstance(message, Loaded) else None)
         self._discarded = keep
 
     def worker_pids(self) -> list[int]:

@@ -3,7 +3,7 @@ loading, thread workers and process workers.
 
 What differs between them is only where the batch goes, which a `BatchWriter` decides:
 `SharedMemoryWriter` (process workers) plans the batch and writes each byte once into a
-shared-memory slot, returning a small handle; `DirectWriter` (threads, in-process) returns
+shared-memory segment, returning a small handle; `DirectWriter` (threads, in-process) returns
 the batch itself with numpy arrays turned into tensors. Runs wherever the batch is loaded;
 never imports caller-side code. The flow is drawn in `_engine`.
 """
@@ -14,63 +14,47 @@ import time
 from typing import Any, Callable, Protocol
 
 from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
-from ._transport import SegmentCache, pack_batch, unlink_segment
+from ._transport import Slot, SlotMaps, pack_batch
 from ._tree import arrays_to_tensors
 from .batchify import plan_batch
 
 __all__ = ["BatchWriter", "Cursor", "DirectWriter", "SharedMemoryWriter", "load_batch"]
 
-# Segments a process worker keeps mapped; see SegmentCache. Larger: fewer re-maps when many
-# slots circulate; smaller: fewer mappings to check when pruning.
-_MAX_MAPPED_SEGMENTS = 32
-# Batches between two prunes of a worker's mappings (a stat per mapped segment). Smaller:
-# memory of retired segments returns sooner; larger: less per-batch cost (~1 us per stat).
+
+# Slots a process worker keeps mapped; see SlotMaps. Larger: fewer re-maps when many slots
+# circulate; smaller: fewer mappings to check when pruning.
+_MAX_MAPPED_SLOTS = 32
+# Batches between two prunes of a worker's mappings (a header read per mapped slot).
+# Smaller: memory of retired slots returns sooner; larger: less per-batch cost.
 _PRUNE_EVERY_BATCHES = 8
 
 
 class BatchWriter(Protocol):
     """Turns samples into what the task returns for them."""
 
-    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: str | None,
-              slot_capacity: int, prefix: str) -> Any: ...
-
-    def discard(self, batch: Any) -> None:
-        """Free what `write` made for a batch that will never reach the caller."""
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: Slot | None) -> Any: ...
 
 
 class DirectWriter:
     """Thread workers and in-process loading share the caller's memory: the batch itself."""
 
-    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: str | None,
-              slot_capacity: int, prefix: str) -> Any:
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: Slot | None) -> Any:
         return arrays_to_tensors(batchify_fn(samples))
-
-    def discard(self, batch: Any) -> None:
-        pass
 
 
 class SharedMemoryWriter:
-    """Process workers: plan the batch, write it into the lent slot (or a new segment), and
-    return its handle. Keeps segments mapped across batches (see `SegmentCache`)."""
+    """Process workers: plan the batch, write it into the lent slot, and return its handle.
+    Keeps slots mapped across batches (see `SlotMaps`)."""
 
     def __init__(self) -> None:
-        self.cache = SegmentCache(_MAX_MAPPED_SEGMENTS)
+        self.maps = SlotMaps(_MAX_MAPPED_SLOTS)
         self._written = 0
 
-    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: str | None,
-              slot_capacity: int, prefix: str) -> Any:
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: Slot | None) -> Any:
         self._written += 1
         if self._written % _PRUNE_EVERY_BATCHES == 0:
-            self.cache.prune()  # give back the memory of segments the caller has retired
-        return pack_batch(plan_batch(batchify_fn, samples), slot, slot_capacity, prefix, self.cache)
-
-    def discard(self, batch: Any) -> None:
-        """Unmap and remove the segment a handle names if this worker created it for the batch
-        (it still owns it then). Exactly that name: others may extend it (`_w12_1`, `_w12_10`)."""
-        name, _, created, _ = batch
-        if created:
-            self.cache.forget(name)
-            unlink_segment(name)
+            self.maps.prune()  # give back the memory of slots the caller has retired
+        return pack_batch(plan_batch(batchify_fn, samples), slot, self.maps)
 
 
 class Cursor:
@@ -120,9 +104,8 @@ def _next_shard_samples(streams: dict[int, tuple[int, Any]], loader_id: int, epo
     return samples or None
 
 
-def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, slot: str | None, slot_capacity: int,
-               writer: BatchWriter, streams: dict[int, tuple[int, Any]], worker_id: int,
-               cursor: Cursor) -> Loaded | ShardEnd:
+def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, slot: Slot | None, writer: BatchWriter,
+               streams: dict[int, tuple[int, Any]], worker_id: int, cursor: Cursor) -> Loaded | ShardEnd:
     """Load one batch of a registered loader: its samples by key, or a stream's next ones.
 
     Raises whatever the dataset or the batchify function raises; `cursor.key` then names the
@@ -136,5 +119,5 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, slot: s
     else:
         samples = _fetch_samples(registration.dataset, decode_keys(work), cursor)
     fetched = time.perf_counter()
-    batch = writer.write(registration.batchify_fn, samples, slot, slot_capacity, registration.prefix)
+    batch = writer.write(registration.batchify_fn, samples, slot)
     return Loaded(batch, fetched - started, time.perf_counter() - fetched, worker_id)

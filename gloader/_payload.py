@@ -95,7 +95,7 @@ def _unpicklable_error(name: str, obj: Any, exc: Exception) -> TypeError:
                      "__getitem__ (or in worker_init_fn), or use start_method='fork' or thread_pool=True")
 
 
-def build_payload(dataset: Any, batchify_fn: Any, worker_init_fn: Any, base_seed: int, prefix: str,
+def build_payload(dataset: Any, batchify_fn: Any, worker_init_fn: Any, base_seed: int,
                   pickled: bool) -> Payload:
     """Return a loader's payload; with `pickled`, the three parts are dumped one after another
     by one dill pickler, so objects they share (a bound method's dataset) stay one object.
@@ -105,7 +105,7 @@ def build_payload(dataset: Any, batchify_fn: Any, worker_init_fn: Any, base_seed
     """
     parts = (dataset, batchify_fn, worker_init_fn)
     if not pickled:
-        return Payload(parts, base_seed, prefix, False)
+        return Payload(parts, base_seed, False)
     buffer = io.BytesIO()
     pickler = _pickler(buffer)
     for name, part in zip(("dataset", "batchify function", "worker_init_fn"), parts):
@@ -113,4 +113,4 @@ def build_payload(dataset: Any, batchify_fn: Any, worker_init_fn: Any, base_seed
             pickler.dump(part)
         except Exception as exc:
             raise _unpicklable_error(name, part, exc) from exc
-    return Payload(buffer.getvalue(), base_seed, prefix, True)
+    return Payload(buffer.getvalue(), base_seed, True)

@@ -26,7 +26,6 @@ from ._checks import check_positive_int, check_start_method
 from ._mppool import free_locks_of, make_pool_class
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
-from ._transport import unlink_prefix
 from ._worker import PoolSpec, StatusTable, initialize_process_worker, initialize_thread_worker, run_task
 
 __all__ = ["PoolCore", "WorkerExitedError", "WorkerPool", "describe_exit", "track"]
@@ -45,7 +44,8 @@ _POOL_THREADS_S = 5.0
 _SIGNAL_CAUSES = {
     signal.SIGKILL: "it was killed, most often by the out-of-memory killer (check `dmesg`; lower "
                     "num_workers, prefetch or batch_size, or keep the dataset in numpy arrays)",
-    signal.SIGBUS: "shared memory ran out (/dev/shm is full; in docker, raise --shm-size)",
+    signal.SIGBUS: "shared memory ran out (/dev/shm is full, used by the dataset or a library it calls; "
+                   "in docker, raise --shm-size)",
     signal.SIGSEGV: "a crash in native code called by the dataset or batchify function",
     signal.SIGABRT: "native code aborted (an assertion in a C extension)",
     signal.SIGTERM: "something outside gloader terminated it",
@@ -72,11 +72,10 @@ class PoolCore:
         num_workers: workers to start.
         is_thread: threads instead of processes.
         start_method: 'fork', 'spawn', 'forkserver' or None (platform default).
-        shm_prefix: prefix of every shared-memory segment of the loaders this pool serves.
         registrations: (loader id, payload) pairs the initializer registers in every worker.
     """
 
-    def __init__(self, num_workers: int, is_thread: bool, start_method: str | None, shm_prefix: str,
+    def __init__(self, num_workers: int, is_thread: bool, start_method: str | None,
                  registrations: list[tuple[int, Payload]]) -> None:
         import multiprocess
 
@@ -92,8 +91,8 @@ class PoolCore:
         self.status = None if status is None else StatusTable(status, num_workers)
         incarnations = None if is_thread else ctx.Array("q", [0] * num_workers, lock=False)
         self.spec = PoolSpec(num_workers=num_workers, counter=ctx.Value("i", 0), status=status,
-                             incarnations=incarnations, main_pid=os.getpid(), shm_prefix=shm_prefix, payload_dir=self.payload_dir,
-                             generation=ctx.Value("i", 0), closing=ctx.Value("i", 0))
+                             incarnations=incarnations, main_pid=os.getpid(), payload_dir=self.payload_dir,
+                             generation=ctx.Value("i", 0))
         if is_thread:
             from multiprocess.pool import ThreadPool
 
@@ -206,13 +205,15 @@ class PoolCore:
         if self._closed:
             return
         self._closed = True
-        self.spec.closing.value = 1  # workers leaving now were asked to: the caller cleans up
         if self.is_thread:
             self._close_threads()
         else:
-            self._close_processes(prompt)
+            try:
+                self._close_processes(prompt)
+            except BaseException:  # a second Ctrl-C while asking: stop them at once, then re-raise
+                self._close_processes(prompt=True)
+                raise
         shutil.rmtree(self.payload_dir, ignore_errors=True)
-        unlink_prefix(self.spec.shm_prefix)  # created by workers for batches nobody collected
         logger.debug("stopped %d %s workers", self.num_workers, "thread" if self.is_thread else "process")
 
     def _close_threads(self) -> None:
@@ -341,9 +342,7 @@ class WorkerPool:
         self.num_workers = check_positive_int("num_workers", num_workers)
         self.thread_pool = bool(thread_pool)
         self.start_method = check_start_method(start_method)
-        self.shm_prefix = f"gl{os.getpid()}_{os.urandom(4).hex()}_"
-        self._core: PoolCore | None = PoolCore(self.num_workers, self.thread_pool, start_method,
-                                               self.shm_prefix, [])
+        self._core: PoolCore | None = PoolCore(self.num_workers, self.thread_pool, start_method, [])
         self._finalizer = weakref.finalize(self, _finalize_pool, self._core)
         track(self)
 

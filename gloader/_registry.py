@@ -54,7 +54,6 @@ class Payload:
 
     parts: Any
     base_seed: int
-    prefix: str
     pickled: bool
 
 
@@ -65,7 +64,6 @@ class Registration:
     dataset: Any = None
     batchify_fn: Callable[[list[Any]], Any] | None = None
     base_seed: int = 0
-    prefix: str = ""
     error: BaseException | None = None
     error_traceback: str = ""
     error_context: str = ""
@@ -133,7 +131,7 @@ def register_loader(loader_id: int, payload: Payload, worker_id: int, num_worker
     registration and reported by the loader's first task, so that a pool initializer never
     fails and respawns in a loop.
     """
-    registration = Registration(base_seed=payload.base_seed, prefix=payload.prefix, from_file=from_file)
+    registration = Registration(base_seed=payload.base_seed, from_file=from_file)
     seed = (payload.base_seed + worker_id) & ((1 << 63) - 1)
     stage = "dataset"
     try:

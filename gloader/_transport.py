@@ -1,30 +1,40 @@
-"""Shared-memory transport: workers write batches into reused segments, the caller maps them.
+"""Shared-memory transport: the caller lends segments ("slots"), workers write batches into them.
 
-Packing half (runs in workers): `SegmentCache` keeps segments mapped across batches and
-`pack_batch` writes a planned batch into one of them and returns a small handle (bytes).
-Unpacking half (runs in the caller): `SlotPool` owns the segments, hands a free one to each
-dispatched batch, and rebuilds handles into tensors that view the memory without copying.
+Segments are anonymous memory files (`memfd_create`), never names in /dev/shm. The kernel
+frees one when the last process that maps it or holds its descriptor is gone, so no segment
+outlives the processes that could use it, however they end: a SIGKILL to the whole process
+group (`timeout`, Slurm, systemd, `kill -- -PGID`) leaves nothing behind. There is nothing to
+unlink, no name another user could guess or plant, and the size of /dev/shm (64 MiB in
+docker by default) does not bound the batches.
 
-Ownership: a segment belongs to the caller's `SlotPool` from the moment its name arrives in a
-handle. The pool gives it to one batch at a time; it returns to the free list only when the
-last tensor viewing that batch's memory is freed (a `weakref.finalize` on the batch's base
-array), so a batch the user keeps is never overwritten. A worker that creates a segment (the
-slot it was given was too small, or none was free) owns it until the handle is returned; it
-unlinks it itself if it fails before then. Segment names start with the loader's prefix, so
-`unlink_prefix` removes everything of one loader after close or after the caller dies.
-The whole flow is drawn in `_engine`.
+Caller half: `SlotPool` creates every segment and owns it. It lends a free one, sized for
+the batches seen so far, with each dispatched batch; rebuilds the worker's handle into
+tensors that view the segment (no copy); and takes the slot back only when the last of those
+tensors is freed (a `weakref.finalize` on the batch's base array), so a batch the user keeps
+is never overwritten. Because the caller owns the memory, a worker that dies loses nothing
+the caller has been sent.
+
+Worker half: `SlotMaps` maps a lent slot through the caller's descriptor
+(/proc/PID/fd/FD, a process of the same user) the first time it sees it, and keeps it mapped
+across batches without a descriptor: its pages stay in the worker's page table, so the next
+batch is written without page faults. `pack_batch` writes a planned batch into the slot and
+returns a small handle, `(token, bytes used, encoded plan, None)`. A batch that does not fit
+(the first window, before the caller knows the size, or a batch larger than any before)
+travels in the handle instead, as a bytearray; the caller then lends bigger slots.
+
+Each segment starts with a 64-byte header the caller writes: a random TOKEN, which the
+worker checks after mapping, and RETIRED, set when the caller gives the segment up (surplus,
+too small, or the loader closed), after which workers unmap it. The whole flow is drawn in
+`_engine`.
 """
 from __future__ import annotations
 
 import collections
 import ctypes
 import errno
-import glob
-import logging
 import mmap
 import os
 import threading
-import warnings
 import weakref
 from typing import Any
 
@@ -34,85 +44,24 @@ import torch
 from ._math import round_up
 from ._tree import Leaf, Opaque, iter_leaves
 
-__all__ = ["SegmentCache", "SlotPool", "pack_batch", "unlink_prefix", "unlink_segment"]
+__all__ = ["SlotMaps", "SlotPool", "close_inherited_segments", "pack_batch"]
 
-logger = logging.getLogger(__name__)
-
-_SHM_DIR = "/dev/shm"
 # Leaves start on 64-byte boundaries: any dtype view is aligned, and no two leaves share a
-# cache line that two writers could contend on.
+# cache line that two writers could contend on. The header takes the first 64 bytes.
 _ALIGN_BYTES = 64
-# A new segment gets this much room beyond the batch that created it (in eighths), so that
-# slowly growing padded batches reuse it instead of creating a new segment each time.
+_HEADER_BYTES = 64
+_TOKEN, _RETIRED = 0, 1
+_Header = ctypes.c_uint64 * (_HEADER_BYTES // 8)
+# A new slot gets this much room beyond the largest batch seen (in eighths), so that slowly
+# growing padded batches fit it instead of needing a new slot each time.
 _HEADROOM_EIGHTHS = 1
 _PAGE_BYTES = mmap.PAGESIZE
+_MADV_DONTFORK = 10  # linux/mman.h
+_SEGMENT_NAME = "gloader"
 # A mapped segment: a ctypes byte array over the mapping (see _map_fd).
 Segment = Any
-
-
-def _path(name: str) -> str:
-    return os.path.join(_SHM_DIR, name)
-
-
-def _map_segment(name: str, capacity: int, create: bool) -> Segment:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(_path(name), flags, 0o600)
-    try:
-        if create:
-            # Reserve the pages now: a full /dev/shm then fails here with ENOSPC instead of
-            # killing the writer with SIGBUS on its first touch of an unbacked page.
-            try:
-                os.posix_fallocate(fd, 0, capacity)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise _out_of_space(capacity) from exc
-                raise
-        return _map_fd(fd, capacity)
-    except BaseException:
-        if create:
-            os.unlink(_path(name))
-        raise
-    finally:
-        os.close(fd)
-
-
-def _shm_free_and_total() -> tuple[int, int]:
-    stats = os.statvfs(_SHM_DIR)
-    return stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
-
-
-def _out_of_space(needed: int) -> OSError:
-    free, total = _shm_free_and_total()
-    return OSError(errno.ENOSPC, f"{_SHM_DIR} is full: a batch needs {needed / 2**20:.1f} MiB of shared memory and "
-                                 f"{_SHM_DIR} has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB. Enlarge it "
-                                 "(docker: --shm-size=2g), or lower prefetch or batch_size")
-
-
-def unlink_segment(name: str) -> None:
-    """Remove exactly the segment `name` (gone already is fine)."""
-    try:
-        os.unlink(_path(name))
-    except FileNotFoundError:
-        pass
-    except PermissionError:  # another user's file under our name: not ours to remove
-        logger.warning("left %s in place: it belongs to another user", _path(name))
-
-
-def unlink_prefix(prefix: str) -> int:
-    """Remove every segment whose name starts with `prefix`; return how many were removed."""
-    removed = 0
-    uid = os.getuid()
-    for path in glob.glob(os.path.join(_SHM_DIR, glob.escape(prefix) + "*")):
-        try:
-            if os.lstat(path).st_uid != uid:
-                logger.warning("left %s in place: it matches a gloader name but belongs to another user", path)
-                continue
-            os.unlink(path)
-            removed += 1
-        except (FileNotFoundError, PermissionError):
-            pass
-    return removed
-
+# What the caller lends with a batch: (caller pid, fd, token, capacity).
+Slot = tuple[int, int, int, int]
 
 _LIBC: Any = None
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -126,6 +75,7 @@ def _libc() -> Any:
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                               ctypes.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _LIBC = libc
     return _LIBC
 
@@ -144,66 +94,102 @@ def _map_fd(fd: int, size: int) -> Segment:
     if address is None or address == _MAP_FAILED:
         code = ctypes.get_errno()
         raise OSError(code, f"mapping {size} bytes of shared memory failed: {os.strerror(code)}")
+    # A process forked later (a replacement worker under fork, a subprocess of the dataset)
+    # must not inherit the mapping: it would keep the memory of batches long dropped.
+    libc.madvise(address, size, _MADV_DONTFORK)
     segment = (ctypes.c_ubyte * size).from_address(address)
     weakref.finalize(segment, libc.munmap, address, size).atexit = False  # views may outlive exit hooks
     return segment
 
 
-class SegmentCache:
-    """Worker-side mappings of segments, kept open across batches (least recently used out).
+def _out_of_memory(needed: int, exc: OSError) -> OSError:
+    return OSError(exc.errno, f"could not reserve {needed / 2**20:.1f} MiB of shared memory for a batch "
+                              f"({os.strerror(exc.errno or 0)}): the memory limit of the machine or container is "
+                              "reached; lower prefetch or batch_size, or raise the limit")
 
-    Keeping a segment mapped is what makes reuse cheap: its pages stay in this process's page
-    table, so writing the next batch into it takes no page faults.
+
+def _create_segment(size: int) -> tuple[int, Segment]:
+    """A new anonymous segment of `size` bytes: (its descriptor, its mapping)."""
+    fd = os.memfd_create(_SEGMENT_NAME, os.MFD_CLOEXEC)
+    try:
+        # Reserve the pages now: running out of memory then fails here with an error instead
+        # of killing a writer with SIGBUS on its first touch of an unbacked page.
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise _out_of_memory(size, exc) from exc
+            raise
+        return fd, _map_fd(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def close_inherited_segments() -> int:
+    """Close the descriptors of the caller's segments that a forked worker inherited (they
+    would keep retired segments' memory alive for the worker's life); return how many."""
+    closed = 0
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{entry}").startswith(f"/memfd:{_SEGMENT_NAME} "):
+                os.close(int(entry))
+                closed += 1
+        except OSError:
+            pass
+    return closed
+
+
+class SlotMaps:
+    """Worker-side mappings of lent slots, kept across batches (least recently used out).
 
     Args:
-        max_maps: how many segments stay mapped. Larger: fewer re-maps when many slots
-            circulate; smaller: retired segments are unmapped (and freed) sooner.
+        max_maps: how many slots stay mapped. Larger: fewer re-maps when many slots
+            circulate; smaller: fewer mappings to check when pruning.
     """
 
     def __init__(self, max_maps: int) -> None:
         self._max_maps = max_maps
-        self._maps: collections.OrderedDict[str, Segment] = collections.OrderedDict()
-        self._created = 0
+        self._maps: collections.OrderedDict[int, tuple[Segment, Any]] = collections.OrderedDict()
 
-    def get(self, name: str, capacity: int) -> Segment:
-        segment = self._maps.get(name)
-        if segment is None or len(segment) < capacity:
-            segment = _map_segment(name, capacity, create=False)
-            self._remember(name, segment)
-        else:
-            self._maps.move_to_end(name)
-        return segment
-
-    def create(self, prefix: str, capacity: int) -> tuple[str, Segment]:
-        self._created += 1
-        # A random part: another local user who sees the prefix in /dev/shm cannot plant the
-        # next name ahead of us (creation is O_EXCL and would fail).
-        name = f"{prefix}w{os.getpid()}_{self._created}_{os.urandom(4).hex()}"
-        segment = _map_segment(name, capacity, create=True)
-        self._remember(name, segment)
-        return name, segment
-
-    def prune(self) -> int:
-        """Unmap segments whose names are gone: the caller retired them (a surplus slot after
-        the user dropped a burst of held batches), and only this mapping still holds their
-        memory. Returns how many were unmapped."""
-        gone = [name for name in self._maps if not os.path.exists(_path(name))]
-        for name in gone:
-            self.forget(name)
-        return len(gone)
-
-    def forget(self, name: str) -> None:
-        self._maps.pop(name, None)  # unmapped once no view of it is left (see _map_fd)
-
-    def close(self) -> None:
-        for name in list(self._maps):
-            self.forget(name)
-
-    def _remember(self, name: str, segment: Segment) -> None:
-        self._maps.pop(name, None)
-        self._maps[name] = segment
+    def get(self, slot: Slot) -> Segment:
+        pid, fd, token, capacity = slot
+        found = self._maps.get(token)
+        if found is not None:
+            self._maps.move_to_end(token)
+            return found[0]
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            local = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except PermissionError as exc:
+            raise RuntimeError(f"cannot open {path}, the shared memory gloader's caller (pid {pid}) lent: this "
+                               "system does not let a worker open its caller's descriptors; use thread_pool=True "
+                               "or num_workers=0") from exc
+        try:
+            segment = _map_fd(local, _HEADER_BYTES + capacity)
+        finally:
+            os.close(local)
+        header = _Header.from_buffer(segment)
+        if header[_TOKEN] != token:
+            raise RuntimeError(f"{path} is not the slot gloader's caller (pid {pid}) lent (token mismatch)")
+        self._maps[token] = (segment, header)
         while len(self._maps) > self._max_maps:
             self._maps.popitem(last=False)
+        return segment
+
+    def prune(self) -> int:
+        """Unmap slots the caller retired (only our mapping still holds their memory);
+        return how many."""
+        gone = [token for token, (_, header) in self._maps.items() if header[_RETIRED]]
+        for token in gone:
+            del self._maps[token]  # unmapped once no view of it is left (see _map_fd)
+        return len(gone)
+
+    def close(self) -> None:
+        self._maps.clear()
+
+    def __len__(self) -> int:
+        return len(self._maps)
 
 
 def _encode(plan: Any, offsets: dict[int, int]) -> Any:
@@ -222,11 +208,12 @@ def _encode(plan: Any, offsets: dict[int, int]) -> Any:
     return ("D", [(key, _encode(item, offsets)) for key, item in plan.items()])
 
 
-def pack_batch(plan: Any, slot: str | None, slot_capacity: int, prefix: str, cache: SegmentCache) -> tuple[Any, ...]:
-    """Write a planned batch into shared memory and return its handle.
+def pack_batch(plan: Any, slot: Slot | None, maps: SlotMaps) -> tuple[Any, ...]:
+    """Write a planned batch into the lent slot and return its handle.
 
-    Uses the given slot when the batch fits, otherwise creates a segment (with headroom) that
-    the caller adopts. Returns `(segment name or None, capacity, created, encoded plan)`.
+    Returns `(token, bytes used, encoded plan, None)`; when the batch needs no memory or does
+    not fit the slot, token is 0 and the last field holds the batch's bytes (a bytearray,
+    None when empty).
     """
     offsets: dict[int, int] = {}
     total = 0
@@ -234,29 +221,24 @@ def pack_batch(plan: Any, slot: str | None, slot_capacity: int, prefix: str, cac
     for leaf in leaves:
         offsets[id(leaf)] = total
         total += round_up(leaf.nbytes, _ALIGN_BYTES)
-    if total == 0:  # nothing to write (no tensors, or only empty ones): no segment needed
+    if total == 0:  # nothing to write (no tensors, or only empty ones): no memory needed
         for leaf in leaves:
             leaf.fill(torch.empty(leaf.shape, dtype=leaf.dtype))
-        return (None, 0, False, _encode(plan, offsets))
-    created = slot is None or total > slot_capacity
-    if created:
-        capacity = round_up(total + total * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
-        name, segment = cache.create(prefix, capacity)
-    else:
-        name, capacity = slot, slot_capacity  # type: ignore[assignment]  # slot is set here
-        segment = cache.get(name, capacity)
-    try:
-        flat = torch.from_numpy(np.frombuffer(segment, dtype=np.uint8, count=total))
-        for leaf in leaves:
-            start = offsets[id(leaf)]
-            leaf.fill(flat[start:start + leaf.nbytes].view(leaf.dtype).view(leaf.shape))
-        del flat
-    except BaseException:
-        if created:
-            cache.forget(name)
-            unlink_segment(name)  # never handed over: this worker still owns it
-        raise
-    return (name, capacity, created, _encode(plan, offsets))
+        return (0, 0, _encode(plan, offsets), None)
+    inline: bytearray | None = None
+    if slot is not None and total <= slot[3]:
+        memory: Any = maps.get(slot)
+        start_at = _HEADER_BYTES
+    else:  # the caller does not know this size yet: the batch travels in the handle
+        memory = inline = bytearray(total)
+        start_at = 0
+    flat = torch.from_numpy(np.frombuffer(memory, dtype=np.uint8, count=total, offset=start_at))
+    for leaf in leaves:
+        start = offsets[id(leaf)]
+        leaf.fill(flat[start:start + leaf.nbytes].view(leaf.dtype).view(leaf.shape))
+    del flat
+    token = slot[2] if inline is None and slot is not None else 0
+    return (token, total, _encode(plan, offsets), inline)
 
 
 _DTYPES: dict[str, torch.dtype] = {}
@@ -292,122 +274,134 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
     return {key: _decode(item, base) for key, item in spec[1]}
 
 
+class _Lendable:
+    __slots__ = ("segment", "header", "token", "capacity", "fd", "__weakref__")
+
+    def __init__(self, fd: int, segment: Segment) -> None:
+        self.segment = segment
+        self.header = _Header.from_buffer(segment)
+        self.token = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "no slot"
+        self.header[_TOKEN] = self.token
+        self.capacity = len(segment) - _HEADER_BYTES
+        self.fd = fd
+
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def retire(self) -> None:
+        self.header[_RETIRED] = 1
+        self.close_fd()
+
+
 class SlotPool:
     """Caller-side owner of a loader's shared-memory segments ("slots").
 
     Thread-safe: slots are released from whichever thread drops the last view.
 
     Args:
-        prefix: name prefix of this loader's segments.
-        max_spare: free slots kept mapped for reuse; a slot released beyond that is unlinked.
-            Larger: fewer new segments when the user holds batches in bursts; smaller:
-            less idle shared memory.
+        max_spare: free slots kept for reuse; a slot released beyond that is retired.
+            Larger: fewer new slots when the user holds batches in bursts; smaller: less
+            idle shared memory.
+        max_descriptors: slots that keep the descriptor workers map them by. A slot whose
+            batch the user holds beyond that many gives its descriptor up and is retired
+            when released, so holding 10,000 batches needs no more descriptors than this.
     """
 
-    def __init__(self, prefix: str, max_spare: int) -> None:
-        self.prefix = prefix
+    def __init__(self, max_spare: int, max_descriptors: int) -> None:
         self._max_spare = max_spare
+        self._max_descriptors = max_descriptors
         # Re-entrant: a batch freed by the garbage collector while this thread holds the lock
         # (any allocation inside it can trigger a collection) calls release() right here.
         self._lock = threading.RLock()
-        self._maps: dict[str, Segment] = {}
-        self._free: list[str] = []
+        self._slots: dict[int, _Lendable] = {}  # token -> slot, lent, held or free
+        self._free: list[_Lendable] = []
+        self._descriptors = 0
+        self._size_hint = 0  # bytes of the largest batch seen: what a lent slot must hold
         self._closed = False
+        self._pid = os.getpid()
         self.segments_created = 0
-        self._warned_size = False
 
-    def acquire(self) -> tuple[str | None, int]:
-        """Take a free slot for a batch about to be dispatched, or (None, 0) when none is free."""
+    def acquire(self) -> Slot | None:
+        """Lend a slot for a batch about to be dispatched; None until a batch's size is known."""
         with self._lock:
-            if self._free and not self._closed:
-                name = self._free.pop()
-                return name, len(self._maps[name])
-        return None, 0
-
-    def settle(self, given: str | None, handle: tuple[Any, ...] | None) -> None:
-        """Account for a finished task that was given slot `given`.
-
-        `handle` is the task's `(name, capacity, created, spec)`, or None when it failed.
-        """
-        used = handle[0] if handle is not None else None
-        if given is not None and used != given:
-            if handle is not None and handle[2]:
-                self._retire(given)  # too small for this batch: a bigger one replaces it
-            else:
-                self.release(given)
-        if handle is not None and handle[2]:
-            self._adopt(handle[0], handle[1])
-
-    def rebuild(self, handle: tuple[Any, ...]) -> Any:
-        """Turn a handle into the batch: tensors that view the slot, which stays taken until
-        the last of them is freed."""
-        name, capacity, _, spec = handle
-        if name is None:
-            return _decode(spec, np.empty(0, dtype=np.uint8))
+            if self._closed or not self._size_hint:
+                return None
+            while self._free:
+                found = self._free.pop()
+                if found.capacity >= self._size_hint:
+                    return (self._pid, found.fd, found.token, found.capacity)
+                self._retire(found)  # smaller than the batches now coming
+            needed = self._size_hint
+        size = round_up(_HEADER_BYTES + needed + needed * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
+        fd, segment = _create_segment(size)
+        made = _Lendable(fd, segment)
         with self._lock:
-            segment = self._maps[name]
-        base = np.frombuffer(segment, dtype=np.uint8, count=capacity)
+            self._slots[made.token] = made
+            self._descriptors += 1
+            self.segments_created += 1
+        return (self._pid, made.fd, made.token, made.capacity)
+
+    def rebuild(self, slot: Slot | None, handle: tuple[Any, ...]) -> Any:
+        """Turn a handle into the batch. Tensors view the slot when the batch was written
+        into it, and the slot stays taken until the last of them is freed."""
+        token, total, spec, inline = handle
+        self._note_size(total)
+        if not token:
+            self.give_back(slot, None)
+            return _decode(spec, np.frombuffer(inline, dtype=np.uint8) if inline is not None
+                           else np.empty(0, dtype=np.uint8))
+        with self._lock:
+            lent = self._slots[token]
+            if self._descriptors > self._max_descriptors:  # see the class: retired when released
+                lent.close_fd()
+                self._descriptors -= 1
+        base = np.frombuffer(lent.segment, dtype=np.uint8, count=total, offset=_HEADER_BYTES)
         batch = _decode(spec, base)
-        release = weakref.finalize(base, self.release, name)
+        release = weakref.finalize(base, self.release, token)
         release.atexit = False
         return batch
 
-    def release(self, name: str) -> None:
-        """Return a slot to the free list (or unlink it when closed or in surplus)."""
+    def give_back(self, slot: Slot | None, handle: tuple[Any, ...] | None) -> None:
+        """Take back the slot of a batch that will never be rebuilt (failed or discarded)."""
+        if handle is not None:
+            self._note_size(handle[1])
+        if slot is not None:
+            self.release(slot[2])
+
+    def release(self, token: int) -> None:
+        """Return a slot to the free list, or retire it (closed, in surplus, or without its
+        descriptor)."""
         with self._lock:
-            if self._closed or len(self._free) >= self._max_spare:
-                self._maps.pop(name, None)  # unmapped once no view of it is left (see _map_fd)
-            else:
-                self._free.append(name)
+            lent = self._slots.get(token)
+            if lent is None:
                 return
-        unlink_segment(name)
+            if self._closed or lent.fd < 0 or len(self._free) >= self._max_spare:
+                self._retire(lent)
+            else:
+                self._free.append(lent)
 
     def in_use_bytes(self) -> int:
         """Bytes of shared memory this loader holds mapped (free slots included)."""
         with self._lock:
-            return sum(len(m) for m in self._maps.values())
+            return sum(len(slot.segment) for slot in self._slots.values())
 
     def close(self) -> None:
-        """Unlink every segment; batches the user still holds stay valid until freed."""
+        """Retire every slot; batches the user still holds stay valid until freed."""
         with self._lock:
             self._closed = True
-            maps, self._maps = self._maps, {}
+            for slot in list(self._slots.values()):
+                self._retire(slot)
             self._free = []
-        for name in maps:
-            unlink_segment(name)
-        removed = unlink_prefix(self.prefix)  # created by workers but never handed over
-        if removed:
-            logger.debug("removed %d segments of %s that were still in flight at close", removed, self.prefix)
 
-    def _adopt(self, name: str, capacity: int) -> None:
-        try:
-            segment = _map_segment(name, capacity, create=False)
-        except FileNotFoundError:  # its worker removed it when exiting (the caller is closing)
-            return
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._maps[name] = segment
-                self.segments_created += 1
-        if closed:
-            unlink_segment(name)
+    def _retire(self, slot: _Lendable) -> None:
+        if slot.fd >= 0:
+            self._descriptors -= 1
+        slot.retire()
+        del self._slots[slot.token]  # unmapped once no view of it is left (see _map_fd)
 
-    def _retire(self, name: str) -> None:
-        with self._lock:
-            self._maps.pop(name, None)
-        unlink_segment(name)
-
-    def warn_if_shm_small(self, batch_bytes: int, window: int) -> None:
-        """Warn once when /dev/shm cannot hold `window` batches of `batch_bytes`."""
-        if self._warned_size:
-            return
-        self._warned_size = True
-        free_bytes, total_bytes = _shm_free_and_total()
-        needed = batch_bytes * window
-        if needed > free_bytes:
-            # A RuntimeWarning, not a ResourceWarning: Python hides those by default.
-            warnings.warn(f"/dev/shm has {free_bytes / 2**20:.0f} MiB free (of {total_bytes / 2**20:.0f} MiB) but "
-                          f"gloader's prefetch window needs about {needed / 2**20:.0f} MiB ({window} batches of "
-                          f"{batch_bytes / 2**20:.1f} MiB); workers will fail with 'No space left on device'. "
-                          "Enlarge /dev/shm (docker: --shm-size=2g), or lower prefetch or batch_size.",
-                          RuntimeWarning, stacklevel=4)
+    def _note_size(self, total: int) -> None:
+        if total > self._size_hint:
+            with self._lock:
+                self._size_hint = max(self._size_hint, total)

@@ -29,10 +29,10 @@ import numpy as np
 
 from . import _registry
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
-from ._protocol import Loaded, WorkerFailure, encode
+from ._protocol import WorkerFailure, encode
 from ._registry import Payload, Registration, WorkerInfo
 from ._seed import seed_global_rng
-from ._transport import unlink_prefix
+from ._transport import Slot, close_inherited_segments
 
 __all__ = ["PoolSpec", "StatusTable", "WorkerState", "execute", "initialize_process_worker",
            "initialize_thread_worker", "run_task"]
@@ -40,7 +40,7 @@ __all__ = ["PoolSpec", "StatusTable", "WorkerState", "execute", "initialize_proc
 logger = logging.getLogger(__name__)
 
 # How often a process worker checks that the caller is alive. Larger: less wake-up noise;
-# smaller: orphaned workers exit (and free /dev/shm) sooner after the caller is killed.
+# smaller: orphaned workers exit (and free their memory) sooner after the caller is killed.
 _PARENT_POLL_S = 0.2
 # glibc malloc settings for process workers. By default glibc serves blocks over 128 KiB
 # with a fresh mmap and gives freed heap tops back to the OS, so a dataset that builds one
@@ -136,10 +136,8 @@ class PoolSpec:
     status: Any  # shared int64 array of StatusTable.cells(num_workers); None for threads
     incarnations: Any  # shared int array: processes started so far per worker id; None for threads
     main_pid: int
-    shm_prefix: str  # every segment of this pool's loaders starts with it
     payload_dir: str  # payload files of loaders that join the running pool
     generation: Any  # synchronized int, bumped when a loader leaves the pool
-    closing: Any  # synchronized int, set by the caller before it asks the workers to stop
 
 
 class _LocalLink:
@@ -244,7 +242,7 @@ class WorkerState:
 
 
 def execute(state: WorkerState, registration: Registration, loader_id: int, epoch: int, batch_index: int,
-            seed: int, work: Any, slot: str | None, slot_capacity: int) -> Any:
+            seed: int, work: Any, slot: Slot | None) -> Any:
     """Load one batch of a registered loader; answer with a message, never raise."""
     if registration.error is not None:
         return state.failure(registration.error, registration.error_traceback, registration.error_context,
@@ -257,7 +255,7 @@ def execute(state: WorkerState, registration: Registration, loader_id: int, epoc
                                                       registration.dataset, np.random.default_rng(seed)))
             if state.crosses_process:  # torch's get_worker_info() is process-wide: not for threads
                 _registry.set_torch_worker_info(registration.torch_info)
-            return load_batch(registration, loader_id, epoch, work, slot, slot_capacity, state.writer,
+            return load_batch(registration, loader_id, epoch, work, slot, state.writer,
                               state.streams, state.worker_id, cursor)
     except BaseException as exc:
         return state.failure(exc, traceback.format_exc(), "", batch_index, cursor.key)
@@ -269,14 +267,13 @@ _PROCESS_STATE: WorkerState | None = None
 _THREAD_STATE = threading.local()
 
 
-def run_task(loader_id: int, epoch: int, batch_index: int, seed: int, work: Any, slot: str | None,
-             slot_capacity: int) -> Any:
+def run_task(loader_id: int, epoch: int, batch_index: int, seed: int, work: Any, slot: Slot | None) -> Any:
     """The pool's task: load one batch in this worker.
 
     Args:
         seed: the batch's seed (from the loader's seed, the epoch and the batch index).
         work: the sample keys (see `_protocol.encode_keys`) or a `StreamRequest`.
-        slot, slot_capacity: the shared-memory slot the caller lent for this batch.
+        slot: the shared-memory slot the caller lent for this batch (None: none yet).
 
     Returns:
         A `Loaded`, `ShardEnd` or `WorkerFailure`; `encode`d bytes from process workers.
@@ -293,7 +290,7 @@ def run_task(loader_id: int, epoch: int, batch_index: int, seed: int, work: Any,
     else:
         state.link.begin(loader_id, epoch, batch_index)
         try:
-            message = execute(state, registration, loader_id, epoch, batch_index, seed, work, slot, slot_capacity)
+            message = execute(state, registration, loader_id, epoch, batch_index, seed, work, slot)
         finally:
             state.link.end()
     return _send(state, message, batch_index) if state.crosses_process else message
@@ -303,8 +300,6 @@ def _send(state: WorkerState, message: Any, batch_index: int) -> bytes:
     try:
         return encode(message)
     except Exception as exc:  # a non-tensor part of the batch cannot be pickled, even by dill
-        if isinstance(message, Loaded):
-            state.writer.discard(message.batch)
         return encode(state.failure(exc, traceback.format_exc(), "the batch could not be pickled for the caller",
                                     batch_index, None))
 
@@ -356,6 +351,7 @@ def _prepare_process(spec: PoolSpec) -> None:
     import torch
 
     torch.set_num_threads(1)  # one worker, one core: intra-op threads only contend
+    close_inherited_segments()  # under fork: the caller's, which must not live on in this worker
     _keep_freed_memory()
     # Under fork, the caller's objects are shared copy-on-write; a full collection in this
     # worker would write the GC header of every inherited container and copy its page.
@@ -363,11 +359,8 @@ def _prepare_process(spec: PoolSpec) -> None:
     import gc
 
     gc.freeze()
-    from multiprocess import util
-
     parent = os.getppid()
-    util.Finalize(None, _remove_orphaned_segments, args=(spec.closing, spec.shm_prefix), exitpriority=10)
-    threading.Thread(target=_watch_parent, args=(parent, spec.main_pid, spec.shm_prefix),
+    threading.Thread(target=_watch_parent, args=(parent, spec.main_pid),
                      name="gloader-parent-watch", daemon=True).start()
 
 
@@ -395,22 +388,9 @@ def _is_orphaned(parent: int, main_pid: int) -> bool:
     return False
 
 
-def _remove_orphaned_segments(closing: Any, shm_prefix: str) -> None:
-    """At worker exit: unless the caller asked the workers to stop, remove its segments.
-
-    Registered with multiprocess's exit finalizers, because a worker whose caller was killed
-    usually leaves through EOF on its task pipe, before the watchdog below wakes up. The
-    caller's pid cannot tell: the kernel closes a dying caller's pipes before it reparents
-    its children, so the worker may still see the caller as its parent here.
-    """
-    if not closing.value:
-        unlink_prefix(shm_prefix)
-
-
-def _watch_parent(parent: int, main_pid: int, shm_prefix: str) -> None:
-    """Exit when the caller is gone, after removing the caller's segments."""
+def _watch_parent(parent: int, main_pid: int) -> None:
+    """Exit when the caller is gone (the kernel frees the shared memory with the last mapping)."""
     while True:
         time.sleep(_PARENT_POLL_S)
         if _is_orphaned(parent, main_pid):
-            unlink_prefix(shm_prefix)
             os._exit(0)

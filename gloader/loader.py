@@ -252,7 +252,6 @@ class DataLoader(Generic[_T_co]):
         return f"DataLoader(id={self._id}, {kind}, prefetch={opts.prefetch}, {'closed' if self._closed else 'open'})"
 
 
-def _make_payload(config: LoaderConfig, schedule: Schedule, prefix: str, pickled: bool) -> Any:
+def _make_payload(config: LoaderConfig, schedule: Schedule, pickled: bool) -> Any:
     """What the workers register for this loader (see `_payload`)."""
-    return build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, prefix,
-                         pickled)
+    return build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, pickled)

@@ -34,9 +34,28 @@ def _helper_pids() -> set[int]:
     return pids
 
 
-def shm_entries(prefix: str) -> list[str]:
-    """Names in /dev/shm that start with `prefix`."""
-    return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+def dev_shm_names() -> set[str]:
+    """Names in /dev/shm: gloader must never add one (its segments are anonymous). Leaves out
+    multiprocessing's semaphores ("sem.*"), which live for a moment while a lock is made."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
+
+
+def segment_sizes(pids: list[int]) -> dict[str, int]:
+    """gloader's shared-memory segments mapped by any of `pids`: inode -> mapped bytes.
+    A segment's memory is in use exactly while some process maps it (or, briefly, holds
+    the descriptor of one it just created)."""
+    sizes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                lines = [line for line in maps if "/memfd:gloader" in line]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in lines:
+            fields = line.split()
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            sizes[fields[4]] = max(sizes.get(fields[4], 0), end - start)
+    return sizes
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float) -> bool:
@@ -56,7 +75,8 @@ def snapshot() -> dict[str, set]:
         "children": {p.pid for p in me.children(recursive=True)} - _helper_pids(),
         "threads": {t.ident for t in threading.enumerate()},
         "fds": set(os.listdir("/proc/self/fd")),
-        "shm": {n for n in os.listdir("/dev/shm") if n.startswith("gl")},
+        "shm": dev_shm_names(),
+        "segments": set(segment_sizes([os.getpid()])),
     }
 
 
@@ -99,7 +119,7 @@ def _warm_shared_heap() -> None:
 
 @pytest.fixture(autouse=True)
 def no_leaks(_warm_shared_heap: None) -> Iterator[None]:
-    """Fail any test that leaves child processes, threads, fds or /dev/shm segments behind."""
+    """Fail any test that leaves child processes, threads, fds, /dev/shm names or mapped segments behind."""
     import gc
 
     gc.collect()

@@ -19,7 +19,7 @@ import pytest
 
 from gloader import BatchTimeoutError, DataLoader
 from tests import _data
-from tests.conftest import shm_entries, wait_until
+from tests.conftest import dev_shm_names, segment_sizes, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,8 +153,9 @@ def test_shutdown_ladder_escalates_to_kill_and_logs_each_rung(caplog: pytest.Log
 
 
 @contextlib.contextmanager
-def _run_script(tmp_path, body: str) -> Iterator[subprocess.Popen]:
-    """Run `body` as the main block of a script; always reap it and close its pipes."""
+def _run_script(tmp_path, body: str, new_session: bool = False) -> Iterator[subprocess.Popen]:
+    """Run `body` as the main block of a script; always reap it and close its pipes.
+    `new_session`: the script leads its own process group, as a job under a scheduler does."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(f"""
         import os, sys, time
@@ -165,7 +166,7 @@ def _run_script(tmp_path, body: str) -> Iterator[subprocess.Popen]:
         if __name__ == "__main__":
         """) + textwrap.indent(textwrap.dedent(body), "    "))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, start_new_session=new_session)
     try:
         yield proc
     finally:
@@ -189,20 +190,20 @@ def _gone(pids: list[int], timeout_s: float) -> bool:
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path, start_method: str) -> None:
+    names_before = dev_shm_names()
     with _run_script(tmp_path, f"""
         loader = DataLoader(_data.Sleepy(slow=3, seconds=30.0), batch_size=2, num_workers=2,
                             start_method={start_method!r})
         it = iter(loader)
         next(it)
         try:
-            print(" ".join(map(str, loader.worker_pids())), loader._engine.slots.prefix, flush=True)
+            print(" ".join(map(str, loader.worker_pids())), flush=True)
             next(it)  # sample 3 takes 30 s: SIGINT arrives while the caller waits here
         except KeyboardInterrupt:
             print("interrupted", time.monotonic(), flush=True)
             raise
         """) as proc:
-        pids_text, prefix = _wait_line(proc).rsplit(" ", 1)
-        pids = [int(p) for p in pids_text.split()]
+        pids = [int(p) for p in _wait_line(proc).split()]
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         line = _wait_line(proc)
@@ -211,43 +212,67 @@ def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path, 
         stderr = proc.stderr.read()
     assert "KeyboardInterrupt" in stderr and "Exception ignored" not in stderr and "ResourceWarning" not in stderr
     assert _gone(pids, 5.0)
-    assert not shm_entries(prefix)
+    assert dev_shm_names() - names_before == set()
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path, start_method: str) -> None:
+    names_before = dev_shm_names()
     with _run_script(tmp_path, f"""
         loader = DataLoader(np.arange(4096, dtype=np.float32).reshape(512, 8), batch_size=16, num_workers=2,
                             start_method={start_method!r})
         held = [b for b in loader]
-        print(" ".join(map(str, loader.worker_pids())), loader._engine.slots.prefix, flush=True)
+        print(" ".join(map(str, loader.worker_pids())), flush=True)
         time.sleep(60)
         """) as proc:
-        pids_text, prefix = _wait_line(proc).rsplit(" ", 1)
-        pids = [int(p) for p in pids_text.split()]
-        assert shm_entries(prefix)  # the caller holds batches
+        pids = [int(p) for p in _wait_line(proc).split()]
+        assert segment_sizes([proc.pid])  # the caller holds batches in shared memory
         proc.kill()
         proc.wait(10)
-    assert _gone(pids, 5.0)
-    assert wait_until(lambda: not shm_entries(prefix), 5.0)
+    assert _gone(pids, 5.0)  # and with the last process that mapped them, the kernel freed them
+    assert dev_shm_names() - names_before == set()
+
+
+@pytest.mark.parametrize("start_method, sig", [("fork", signal.SIGKILL), ("fork", signal.SIGTERM),
+                                               ("spawn", signal.SIGKILL)])
+def test_killing_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path, start_method: str, sig) -> None:
+    # What `timeout`, a scheduler's cancel or `kill -- -PGID` do: caller and workers die at
+    # once, so no exit hook and no watchdog runs anywhere.
+    names_before = dev_shm_names()
+    with _run_script(tmp_path, f"""
+        loader = DataLoader(np.zeros((512, 64, 64), np.uint8), batch_size=16, num_workers=2,
+                            start_method={start_method!r})
+        held = [b for b in loader]  # segments the caller maps
+        it = iter(loader)
+        next(it)  # and batches in flight in the workers' segments
+        print(" ".join(map(str, loader.worker_pids())), flush=True)
+        time.sleep(60)
+        """, new_session=True) as proc:
+        pids = [int(p) for p in _wait_line(proc).split()]
+        assert segment_sizes([proc.pid]) and segment_sizes(pids)  # shared memory is in use on both sides
+        os.killpg(proc.pid, sig)
+        proc.wait(10)
+        assert _gone(pids, 5.0)
+    assert dev_shm_names() - names_before == set()
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_interpreter_exit_with_a_live_loader_is_prompt_and_quiet(tmp_path, start_method: str) -> None:
+    names_before = dev_shm_names()
     with _run_script(tmp_path, f"""
         loader = DataLoader(_data.Sleepy(slow=5, seconds=30.0), batch_size=2, num_workers=2,
                             start_method={start_method!r})
         it = iter(loader)
         next(it)
-        print(loader._engine.slots.prefix, flush=True)
+        print("loading", flush=True)
         """) as proc:
-        prefix = _wait_line(proc)
+        _wait_line(proc)
         started = time.monotonic()
         assert proc.wait(10) == 0
         assert time.monotonic() - started < 6.0
         stderr = proc.stderr.read()
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
-    assert not shm_entries(prefix)
+    assert dev_shm_names() - names_before == set()
 
 
 def test_soak_fifty_loaders_and_two_hundred_epochs_leave_counts_unchanged() -> None:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from gloader import DataLoader, batchify
-from gloader._transport import SegmentCache, SlotPool, pack_batch
+from gloader._transport import SlotMaps, SlotPool, pack_batch
 from gloader.batchify import plan_batch
 from tests import _data
-from tests.conftest import shm_entries
+from tests.conftest import dev_shm_names, segment_sizes
 from tests.test_loader import assert_same_batch
 
 pytestmark = pytest.mark.timeout(60)
@@ -23,20 +23,17 @@ DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
           torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
 
 
-def _round_trip(batchify_fn: Any, samples: list[Any], pool: SlotPool, cache: SegmentCache) -> Any:
+def _round_trip(batchify_fn: Any, samples: list[Any], pool: SlotPool, maps: SlotMaps) -> Any:
     """Pack in this process as a worker would, rebuild as the caller does."""
-    slot, capacity = pool.acquire()
-    handle = pack_batch(plan_batch(batchify_fn, samples), slot, capacity, pool.prefix, cache)
-    pool.settle(slot, handle)
-    return pool.rebuild(handle)
+    slot = pool.acquire()
+    return pool.rebuild(slot, pack_batch(plan_batch(batchify_fn, samples), slot, maps))
 
 
 @pytest.fixture
 def slots():
-    prefix = f"gltest{os.getpid()}_"
-    pool, cache = SlotPool(prefix, max_spare=4), SegmentCache(8)
-    yield pool, cache
-    cache.close()
+    pool, maps = SlotPool(max_spare=4, max_descriptors=8), SlotMaps(8)
+    yield pool, maps
+    maps.close()
     pool.close()
 
 
@@ -60,30 +57,34 @@ def test_pack_and_rebuild_match_in_process_batchify(name: str, slots) -> None:
     samples, fn = CASES[name]
     if name == "dtypes":
         for tensor in samples:
-            got = _round_trip(fn, [tensor, tensor + 1], *slots)
-            assert_same_batch(got, fn([tensor, tensor + 1]))
+            for _ in range(2):  # in the handle (size not known yet), then in a slot
+                got = _round_trip(fn, [tensor, tensor + 1], *slots)
+                assert_same_batch(got, fn([tensor, tensor + 1]))
         return
     expected = fn(samples)
     if isinstance(expected, np.ndarray):
         expected = torch.from_numpy(expected)
-    assert_same_batch(_round_trip(fn, samples, *slots), expected)
+    for _ in range(2):
+        assert_same_batch(_round_trip(fn, samples, *slots), expected)
 
 
 def test_rebuilt_tensors_view_shared_memory_without_copying(slots) -> None:
-    pool, cache = slots
-    batch = _round_trip(batchify.default_batchify_fn, [np.ones(1000, np.float32)] * 4, pool, cache)
+    pool, maps = slots
+    _round_trip(batchify.default_batchify_fn, [np.ones(1000, np.float32)] * 4, pool, maps)  # the size is known
+    batch = _round_trip(batchify.default_batchify_fn, [np.ones(1000, np.float32)] * 4, pool, maps)
     base = batch.numpy().base
     while base is not None and not isinstance(base, np.ndarray):
         base = getattr(base, "base", None)
     assert pool.in_use_bytes() >= batch.numel() * 4
     # Writing through the tensor changes the mapped segment the pool owns.
     batch[0, 0] = 7.0
-    name = next(iter(pool._maps))
-    assert np.frombuffer(pool._maps[name], np.float32, count=1)[0] == 7.0
+    taken = [slot for slot in pool._slots.values() if slot not in pool._free]
+    assert np.frombuffer(taken[0].segment, np.float32, count=1, offset=64)[0] == 7.0  # after the 64-byte header
 
 
 def test_slot_is_reused_only_after_the_last_view_dies(slots) -> None:
     pool, cache = slots
+    _round_trip(batchify.default_batchify_fn, [np.full(256, 0.0)] * 4, pool, cache)  # the size is known
     first = _round_trip(batchify.default_batchify_fn, [np.full(256, 1.0)] * 4, pool, cache)
     second = _round_trip(batchify.default_batchify_fn, [np.full(256, 2.0)] * 4, pool, cache)
     assert pool.segments_created == 2  # first is alive: its slot was not handed out again
@@ -102,14 +103,20 @@ def test_slot_is_reused_only_after_the_last_view_dies(slots) -> None:
     assert (third == 3.0).all()
 
 
-def test_growing_batches_replace_small_slots_and_surplus_is_unlinked(slots) -> None:
-    pool, cache = slots
-    held = [_round_trip(batchify.default_batchify_fn, [np.zeros(n)] * 2, pool, cache) for n in (10, 10, 10)]
-    big = _round_trip(batchify.default_batchify_fn, [np.zeros(100_000)] * 2, pool, cache)
+def test_growing_batches_replace_small_slots_and_surplus_is_retired(slots) -> None:
+    pool, maps = slots
+    held = [_round_trip(batchify.default_batchify_fn, [np.zeros(n)] * 2, pool, maps) for n in (10, 10, 10)]
+    slot = pool.acquire()
+    handle = pack_batch(plan_batch(batchify.default_batchify_fn, [np.zeros(100_000)] * 2), slot, maps)
+    assert handle[0] == 0 and isinstance(handle[3], bytearray)  # too big for the slot: it travels in the handle
+    big = pool.rebuild(slot, handle)
     assert big.shape == (2, 100_000)
     del held, big
     gc.collect()
     assert len(pool._free) <= 4
+    slot = pool.acquire()  # the caller now lends slots that fit, and retires the small ones
+    assert slot[3] >= 2 * 100_000 * 8 and all(s.capacity >= 2 * 100_000 * 8 for s in pool._slots.values())
+    pool.give_back(slot, None)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -128,18 +135,16 @@ def test_workers_reuse_slots_in_steady_state_and_held_batches_survive(start_meth
                 assert batch.shape == (16, 8)
         assert slots.segments_created == created  # no new segment per batch in steady state
         # window + the batch held above + the loop's batch + the one being handed over + 2 spares
-        assert len(slots._maps) <= loader._options.prefetch + 5
-        prefix = slots.prefix
+        assert len(slots._slots) <= loader._options.prefetch + 5
     assert torch.equal(held[0], snapshot)
-    assert shm_entries(prefix) == []
 
 
-def test_nothing_is_left_in_shm_after_an_error_in_a_worker() -> None:
+def test_nothing_stays_mapped_after_an_error_in_a_worker() -> None:
     with DataLoader(_data.RaisesAt(5), batch_size=4, num_workers=2) as loader:
         with pytest.raises(_data.CustomLookupError):
             list(loader)
-        prefix = loader._engine.slots.prefix
-    assert shm_entries(prefix) == []
+    gc.collect()
+    assert segment_sizes([os.getpid()]) == {}
 
 
 def test_unpicklable_leaf_in_a_batch_travels_by_dill() -> None:
@@ -151,89 +156,83 @@ def test_unpicklable_leaf_in_a_batch_travels_by_dill() -> None:
         assert [[o.v for o in b] for b in dl] == [[0, 1], [2, 3]]
 
 
-def test_small_dev_shm_warns_at_the_first_batch_naming_sizes_and_fix(monkeypatch) -> None:
-    from gloader import _transport
-
-    real = os.statvfs
-
-    class Tiny:
-        f_bavail, f_blocks, f_frsize = 16, 32, 4096  # 64 KiB free of 128 KiB
-
-    monkeypatch.setattr(_transport.os, "statvfs", lambda path: Tiny() if path == "/dev/shm" else real(path))
-    with DataLoader(np.zeros((64, 1024), np.float32), batch_size=16, num_workers=1) as loader:
-        # RuntimeWarning: shown under Python's default filters, which hide ResourceWarnings
-        with pytest.warns(RuntimeWarning, match=r"/dev/shm has 0 MiB free \(of 0 MiB\).*needs about .* MiB.*--shm-size"):
-            next(iter(loader))
+def test_segments_are_anonymous_never_names_in_dev_shm() -> None:
+    names_before = dev_shm_names()
+    with DataLoader(np.zeros((64, 1024), np.float32), batch_size=16, num_workers=2) as loader:
+        held = list(loader)
+        in_workers = segment_sizes(loader.worker_pids())
+        assert in_workers and set(in_workers) <= set(segment_sizes([os.getpid()]))  # the caller's slots
+        assert dev_shm_names() - names_before == set()  # so /dev/shm's size does not limit batches
+        assert all(size >= 16 * 1024 * 4 for size in in_workers.values())
+        del held
 
 
-def test_worker_discards_only_its_own_segment_not_those_whose_names_extend_it() -> None:
-    from gloader._fetch import SharedMemoryWriter
+def test_forked_workers_do_not_keep_another_loaders_slots() -> None:
+    def worker_descriptors(pids: list[int]) -> list[str]:
+        links = []
+        for pid in pids:
+            for entry in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    links.append(os.readlink(f"/proc/{pid}/fd/{entry}"))
+                except OSError:
+                    pass
+        return links
 
-    base = f"gltest{os.getpid()}_w1_1"
-    created = []
-    try:
-        for name in (base, base + "0", base + "1"):  # ..._1, ..._10, ..._11
-            fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.close(fd)
-            created.append(name)
-        SharedMemoryWriter().discard((base, 4096, True, None))  # a handle of a segment the worker created
-        assert sorted(shm_entries(f"gltest{os.getpid()}_w1_")) == [base + "0", base + "1"]
-    finally:
-        for name in created:
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
+    with DataLoader(np.zeros((64, 1024), np.float32), batch_size=16, num_workers=1, start_method="fork") as train:
+        held = list(train)  # train's slots exist (with their descriptors) when val forks its workers
+        with DataLoader(np.zeros((32, 8), np.float32), batch_size=8, num_workers=1, start_method="fork") as val:
+            list(val)
+            assert not [link for link in worker_descriptors(val.worker_pids()) if "memfd:gloader" in link]
+        del held
 
 
-def test_full_dev_shm_is_an_error_naming_its_size_and_the_fix(monkeypatch) -> None:
+def test_running_out_of_memory_is_an_error_naming_the_size_and_the_fix(monkeypatch) -> None:
     from gloader import _transport
 
     def no_space(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    pool = SlotPool(max_spare=2, max_descriptors=4)
+    pool.give_back(None, (0, 4096, None, None))  # a batch of 4 KiB was seen
     monkeypatch.setattr(_transport.os, "posix_fallocate", no_space)
-    cache = SegmentCache(4)
-    with pytest.raises(OSError, match=r"/dev/shm is full: a batch needs .* MiB free of .* MiB.*--shm-size"):
-        cache.create(f"gltest{os.getpid()}_", 4096)
-    assert shm_entries(f"gltest{os.getpid()}_") == []
+    with pytest.raises(OSError, match=r"could not reserve .* MiB of shared memory for a batch .*lower prefetch or "
+                                      r"batch_size"):
+        pool.acquire()
+    assert pool.segments_created == 0  # and the leak guard checks that its descriptor was closed
 
 
-def test_planted_files_of_another_user_never_make_cleanup_raise(monkeypatch) -> None:
-    from gloader import _transport
-
-    prefix = f"gltest{os.getpid()}_planted_"
-    path = f"/dev/shm/{prefix}w1_1"
-    with open(path, "wb"):
-        pass
+def test_files_planted_in_dev_shm_are_never_touched() -> None:
+    path = f"/dev/shm/gl{os.getpid()}_planted_w1_1"  # named as an older gloader named its segments
+    with open(path, "wb") as planted:
+        planted.write(b"x")
     try:
-        other_user = os.getuid() + 1
-        monkeypatch.setattr(_transport.os, "getuid", lambda: other_user)  # as if the file were another user's
-        assert _transport.unlink_prefix(prefix) == 0 and os.path.exists(path)
+        with DataLoader(np.zeros((16, 4), np.float32), batch_size=4, num_workers=1) as loader:
+            list(loader)
+        with open(path, "rb") as planted:
+            assert planted.read() == b"x"
     finally:
         os.unlink(path)
 
 
-def test_worker_segment_names_have_a_random_part() -> None:
-    cache = SegmentCache(4)
-    prefix = f"gltest{os.getpid()}_names_"
-    names = []
-    try:
-        for _ in range(2):
-            names.append(cache.create(prefix, 4096)[0])
-        suffixes = [name.rsplit("_", 1)[1] for name in names]
-        assert all(len(s) == 8 for s in suffixes) and suffixes[0] != suffixes[1]
-    finally:
-        cache.close()
-        for name in names:
-            os.unlink(f"/dev/shm/{name}")
+def test_a_slot_whose_token_does_not_match_is_refused(slots) -> None:
+    pool, maps = slots
+    pool.give_back(None, (0, 4096, None, None))  # a batch of 4 KiB was seen
+    pid, fd, token, capacity = pool.acquire()
+    assert token != 0 and pid == os.getpid()
+    with pytest.raises(RuntimeError, match=r"is not the slot gloader's caller \(pid \d+\) lent"):
+        maps.get((pid, fd, token ^ 2, capacity))
+    assert len(maps) == 0 and maps.get((pid, fd, token, capacity)) is not None
+    pool.give_back((pid, fd, token, capacity), None)
 
 
 def test_a_batch_freed_while_the_slot_pool_holds_its_lock_does_not_deadlock() -> None:
-    with DataLoader(np.zeros((8, 4), np.float32), batch_size=4, num_workers=1) as loader:
-        batch = next(iter(loader))
+    with DataLoader(np.zeros((64, 4), np.float32), batch_size=4, num_workers=1, prefetch=1) as loader:
+        it = iter(loader)
+        next(it)  # travels in its handle: the caller learns the size
+        batch = next(it)  # written into a slot
         slots = loader._engine.slots
+        free = len(slots._free)
         with slots._lock:  # as if the collector ran inside acquire(): release() comes from this thread
             del batch
             gc.collect()
-        assert slots.acquire()[0] is not None  # the slot came back
+        assert len(slots._free) == free + 1  # the slot came back
