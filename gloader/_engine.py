@@ -65,12 +65,11 @@ _HELD_WITH_DESCRIPTOR = 4
 
 
 class Collected(NamedTuple):
-    """A collected batch (or a stream's `ShardEnd`) with its timings in seconds."""
+    """A collected batch (or a stream's `ShardEnd`) with where its time went, in seconds:
+    `timings` maps each hop (`_stats.HOPS`) to its duration; empty for a `ShardEnd`."""
 
     batch: Any
-    fetch_s: float
-    batchify_s: float
-    handover_s: float
+    timings: dict[str, float]
     worker_id: int
 
 
@@ -112,7 +111,7 @@ class _InProcess:
         self._registration = Registration(dataset=payload.parts[0], batchify_fn=payload.parts[1])
         self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
 
-    def submit(self, args: tuple[Any, ...]) -> _Deferred:
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> _Deferred:
         return _Deferred(lambda: execute(self._state, self._registration, *args))
 
     def find_dead_worker(self) -> str | None:
@@ -134,8 +133,8 @@ class _OnPool:
         self.slots = slots
         self._loader_id = loader_id
 
-    def submit(self, args: tuple[Any, ...]) -> Any:
-        return self.core.submit(args)
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> Any:
+        return self.core.submit(args, on_ready)
 
     def find_dead_worker(self) -> str | None:
         return self.core.find_dead_worker()
@@ -175,12 +174,26 @@ def _start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], 
 class _Task:
     """A job dispatched and not yet collected: its result and the slot lent to it."""
 
-    __slots__ = ("job", "slot", "result")
+    __slots__ = ("job", "slot", "result", "submitted", "arrived")
 
-    def __init__(self, job: Job, slot: Slot | None, result: Any) -> None:
+    def __init__(self, job: Job, slot: Slot | None) -> None:
         self.job = job
         self.slot = slot
-        self.result = result
+        self.result: Any = None
+        self.submitted = time.monotonic()
+        # When the result arrived, set by the pool's result thread through `mark_arrived`.
+        # A list, not an attribute: the pool keeps the callback, and a callback bound to the
+        # task would tie the task, its result and the pool into a cycle (pipes open until gc).
+        self.arrived = [0.0]
+
+    @property
+    def mark_arrived(self) -> Callable[[Any], None]:
+        arrived = self.arrived
+
+        def mark(value: Any) -> None:
+            arrived[0] = time.monotonic()
+
+        return mark
 
 
 class Engine:
@@ -227,8 +240,10 @@ class Engine:
             if job is None:
                 return
             slot = slots.acquire() if slots is not None else None
-            result = backend.submit((self._loader_id, job.epoch, job.number, job.seed, job.work, slot))
-            self._tasks.append(_Task(job, slot, result))
+            task = _Task(job, slot)
+            task.result = backend.submit((self._loader_id, job.epoch, job.number, job.seed, job.work, slot),
+                                         task.mark_arrived)
+            self._tasks.append(task)
 
     def collect(self, epoch: int) -> Collected | None:
         """Wait for the oldest batch in flight if it belongs to `epoch` (None otherwise).
@@ -256,8 +271,9 @@ class Engine:
         except BaseException:  # Ctrl-C: the task is not ours any more
             self._discarded.append(task)
             raise
-        ready = time.perf_counter()
-        message = task.result.get(0)
+        ready = time.monotonic()
+        message = task.result.get(0)  # in-process loading loads the batch here
+        received = time.monotonic()
         if isinstance(message, bytes):
             message = decode(message)
         slots = self._backend.slots if self._backend is not None else None
@@ -266,11 +282,15 @@ class Engine:
                 slots.give_back(task.slot, None)
             if isinstance(message, WorkerFailure):
                 message.reraise(epoch)
-            return Collected(message, 0.0, 0.0, 0.0, message.worker_id)
+            return Collected(message, {}, message.worker_id)
         batch = message.batch
         if slots is not None:
             batch = slots.rebuild(task.slot, batch)
-        return Collected(batch, message.fetch_s, message.batchify_s, time.perf_counter() - ready, message.worker_id)
+        arrived = task.arrived[0] or message.finished  # in-process loading: no trip back
+        timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,
+                   "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
+                   "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - received}
+        return Collected(batch, timings, message.worker_id)
 
     def _wait(self, task: _Task) -> None:
         started = time.perf_counter()

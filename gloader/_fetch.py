@@ -111,13 +111,14 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, slot: S
     Raises whatever the dataset or the batchify function raises; `cursor.key` then names the
     sample being fetched (None when batchify failed).
     """
-    started = time.perf_counter()
+    started = time.monotonic()
     if isinstance(work, StreamRequest):
         samples = _next_shard_samples(streams, loader_id, epoch, registration.dataset, work.batch_size)
         if samples is None or (len(samples) < work.batch_size and not work.keep_last):
             return ShardEnd(worker_id)
     else:
         samples = _fetch_samples(registration.dataset, decode_keys(work), cursor)
-    fetched = time.perf_counter()
+    fetched = time.monotonic()
     batch = writer.write(registration.batchify_fn, samples, slot)
-    return Loaded(batch, fetched - started, time.perf_counter() - fetched, worker_id)
+    finished = time.monotonic()
+    return Loaded(batch, fetched - started, finished - fetched, worker_id, started, finished)

@@ -50,7 +50,7 @@ class _HostBatches:
             self.ended = True
         elif not isinstance(got.batch, ShardEnd):
             self.collected += 1
-            self._stats.record_work(self._epoch.number, got.fetch_s, got.batchify_s, got.handover_s)
+            self._stats.record_work(self._epoch.number, got.timings)
             self._engine.fill(self._next_job)  # the window's freed place goes to work at once
         return got
 

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from ._checks import check_positive_int, check_start_method
 from ._mppool import free_locks_of, make_pool_class
@@ -105,9 +105,10 @@ class PoolCore:
         logger.debug("started %d %s workers (%s)", num_workers, "thread" if is_thread else "process",
                      start_method or "default start method")
 
-    def submit(self, args: tuple[Any, ...]) -> Any:
-        """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult."""
-        return self.pool.apply_async(run_task, args)
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None) -> Any:
+        """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult.
+        `on_ready(result)` runs in the pool's result thread as the result arrives."""
+        return self.pool.apply_async(run_task, args, callback=on_ready)
 
     @property
     def closed(self) -> bool:

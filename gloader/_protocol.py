@@ -46,6 +46,8 @@ class Loaded(NamedTuple):
     fetch_s: float
     batchify_s: float
     worker_id: int
+    started: float  # time.monotonic() when the worker began and finished the batch: one clock
+    finished: float  # for every process on the machine, so the caller can time the hops
 
 
 class ShardEnd(NamedTuple):

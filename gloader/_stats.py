@@ -28,24 +28,29 @@ def write_status(text: str, last: bool) -> None:
     sys.stderr.flush()
 
 
+# A batch's hops, in order, as the engine times them: dispatch_s (queued until a worker began
+# it: the pool's task thread, the pipe, waiting for a free worker), worker_fetch_s and
+# worker_batchify_s (in the worker), return_s (the result's trip back: encoding, the pipe, the
+# pool's result thread), window_s (finished, waiting in the window for the caller to ask),
+# handover_s (rebuilding it into tensors in the caller).
+HOPS = ("dispatch_s", "worker_fetch_s", "worker_batchify_s", "return_s", "window_s", "handover_s")
+
+
 @dataclasses.dataclass
 class EpochStats:
     """Accumulated timings of one epoch (seconds)."""
 
     batches: int = 0
     waited_s: float = 0.0
-    fetch_s: float = 0.0
-    batchify_s: float = 0.0
-    handover_s: float = 0.0
+    hops: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(HOPS, 0.0))
     started: float = 0.0
     last: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         wall = max(self.last - self.started, 1e-9) if self.batches else 0.0
         return {"batches": self.batches, "wall_s": wall, "waited_s": self.waited_s,
-                "wait_fraction": self.waited_s / wall if wall else 0.0,
-                "worker_fetch_s": self.fetch_s, "worker_batchify_s": self.batchify_s,
-                "handover_s": self.handover_s, "batches_per_s": self.batches / wall if wall else 0.0}
+                "wait_fraction": self.waited_s / wall if wall else 0.0, **self.hops,
+                "batches_per_s": self.batches / wall if wall else 0.0}
 
 
 class PipelineStats:
@@ -62,13 +67,12 @@ class PipelineStats:
             stats = self.epochs[epoch] = EpochStats(started=math.inf)
         return stats
 
-    def record_work(self, epoch: int, fetch_s: float, batchify_s: float, handover_s: float) -> None:
-        """Add the loading time of one batch of `epoch`."""
+    def record_work(self, epoch: int, timings: dict[str, float]) -> None:
+        """Add the hop timings of one batch of `epoch`."""
         with self._lock:
-            stats = self._epoch(epoch)
-            stats.fetch_s += fetch_s
-            stats.batchify_s += batchify_s
-            stats.handover_s += handover_s
+            hops = self._epoch(epoch).hops
+            for hop, seconds in timings.items():
+                hops[hop] += seconds
 
     def record_wait(self, epoch: int, asked: float, waited_s: float) -> None:
         """Count a batch handed to the caller, who asked for it at `asked` and waited `waited_s`."""
@@ -91,8 +95,10 @@ class PipelineStats:
     def _snapshot(self, in_flight: int, shared_memory_bytes: int) -> dict[str, Any]:
         total = EpochStats()
         for stats in self.epochs.values():
-            for field in ("batches", "waited_s", "fetch_s", "batchify_s", "handover_s"):
-                setattr(total, field, getattr(total, field) + getattr(stats, field))
+            total.batches += stats.batches
+            total.waited_s += stats.waited_s
+            for hop, seconds in stats.hops.items():
+                total.hops[hop] += seconds
         overall = total.as_dict()
         wall = sum(s.as_dict()["wall_s"] for s in self.epochs.values())
         overall.update(wall_s=wall, wait_fraction=total.waited_s / wall if wall else 0.0,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -36,6 +37,25 @@ def test_stats_show_an_input_bound_loader() -> None:
         stats = slow.stats()["total"]
     assert stats["wait_fraction"] > 0.5  # the caller did nothing but wait
     assert stats["worker_fetch_s"] >= 8 * 0.02 * 0.9
+
+
+@pytest.mark.parametrize("mode", [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
+def test_stats_split_each_batch_into_the_hops_of_its_trip(mode: dict) -> None:
+    from gloader._stats import HOPS
+
+    with DataLoader(_data.SlowEverySample(0.01, length=16), batch_size=2, **mode) as input_bound:
+        list(input_bound)
+        slow_data = input_bound.stats()["total"]
+    with DataLoader(np.arange(64, dtype=np.float32), batch_size=8, **mode) as caller_bound:
+        for _ in caller_bound:
+            time.sleep(0.02)  # a training step far slower than loading
+        slow_caller = caller_bound.stats()["total"]
+    for stats in (slow_data, slow_caller):
+        assert all(stats[hop] >= 0 for hop in HOPS)
+    assert slow_data["worker_fetch_s"] >= 16 * 0.01 * 0.9
+    assert slow_data["worker_fetch_s"] > slow_data["return_s"] + slow_data["handover_s"]
+    if mode["num_workers"]:  # finished batches waited for the caller (in-process loads on demand)
+        assert slow_caller["window_s"] > slow_caller["worker_fetch_s"] + slow_caller["worker_batchify_s"]
 
 
 def test_progress_bar_reports_batches_and_rate(capsys: pytest.CaptureFixture[str]) -> None:
