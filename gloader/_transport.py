@@ -275,7 +275,7 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
 
 
 class _Lendable:
-    __slots__ = ("segment", "header", "token", "capacity", "fd", "__weakref__")
+    __slots__ = ("segment", "header", "token", "capacity", "fd")
 
     def __init__(self, fd: int, segment: Segment) -> None:
         self.segment = segment

@@ -180,9 +180,11 @@ def test_forked_workers_do_not_keep_another_loaders_slots() -> None:
 
     with DataLoader(np.zeros((64, 1024), np.float32), batch_size=16, num_workers=1, start_method="fork") as train:
         held = list(train)  # train's slots exist (with their descriptors) when val forks its workers
+        train_slots = set(segment_sizes([os.getpid()]))
         with DataLoader(np.zeros((32, 8), np.float32), batch_size=8, num_workers=1, start_method="fork") as val:
             list(val)
             assert not [link for link in worker_descriptors(val.worker_pids()) if "memfd:gloader" in link]
+            assert not train_slots & set(segment_sizes(val.worker_pids()))  # nor their mappings
         del held
 
 
