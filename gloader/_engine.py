@@ -1,25 +1,28 @@
-"""Engine: keeps a window of batches in flight on the loader's workers and collects them in order.
+"""Engine: keeps a window of tasks in flight on the loader's workers and collects their batches in order.
 
 The whole flow, with who runs each step::
 
     caller's thread (or its pin thread)          worker (process, thread, or in-process)
     -----------------------------------          ---------------------------------------
     Schedule.next_job(epoch) -> Job(epoch, i, seed, keys)                     (_schedule)
-    Engine.fill: SlotPool.acquire() -> a free slot (memfd); submit run_task(loader id,
-        epoch, i, seed, keys, slot)       ->  WorkerState: registry[loader id]       (_worker)
-                                               load_batch: dataset[k] for k in keys  (_fetch)
-                                               -> batchify plan -> write into the slot (shm)
-                                          <-  Loaded(handle) | ShardEnd | WorkerFailure
-    ... up to `prefetch` batches in flight, across the end of an epoch into the next ...
-    Engine.collect: wait for the oldest (in short slices: worker exit codes, the timeout);
+    Engine.fill: a task of 1-16 consecutive jobs (more when batches are small and quick);
+        SlotPool.acquire(n) -> a free slot (memfd); submit run_task(loader id, epoch,
+        ((i, seed, keys), ...), slot)     ->  WorkerState: registry[loader id]       (_worker)
+                                               per batch: load_batch: dataset[k] for k
+                                               in keys -> batchify plan -> write into
+                                               the slot after the one before (shm)  (_fetch)
+                                          <-  [Loaded(handle) | ShardEnd | WorkerFailure, ...]
+    ... up to `prefetch` tasks in flight, across the end of an epoch into the next ...
+    Engine.collect: wait for the oldest task (in short slices: worker exit codes, the
+        timeout), then hand out its batches one by one:
         SlotPool.rebuild(slot, handle) -> tensors viewing the slot (zero copy)  (_transport)
         WorkerFailure.reraise() -> the worker's exception, as its own type   (_protocol)
     EpochIterator: [pin, in its pin thread] -> [to(device) on a side stream] (_device)
         -> the user, counting what it hands over (state_dict, stats)        (_iterator)
-    the slot is free again when the batch's last tensor is freed
+    the slot is free again when the last tensor of its last batch is freed
 
 Thread workers and in-process loading share the caller's memory: no slots, the batch itself
-comes back. In-process loading runs the same task function when the batch is collected.
+comes back, one batch to a task. In-process loading runs the same task function when the batch is collected.
 `_pool` owns worker processes and their supervision, `_options` the checked arguments,
 `loader` the public facade that builds the config, the schedule and this engine.
 """
@@ -34,7 +37,16 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from ._options import LoaderConfig
 from ._pool import PoolCore
-from ._protocol import BatchTimeoutError, Job, Loaded, WorkerExitedError, WorkerFailure, decode, decode_keys
+from ._protocol import (
+    BatchTimeoutError,
+    Job,
+    Loaded,
+    StreamRequest,
+    WorkerExitedError,
+    WorkerFailure,
+    decode_answers,
+    decode_keys,
+)
 from ._registry import Payload, Registration
 from ._seed import preserved_global_rng, seed_global_rng
 from ._transport import Slot, SlotPool
@@ -62,6 +74,21 @@ _SPARE_SLOTS = 2
 # freed), beyond those in flight and the spares: a training loop holds one or two. Larger:
 # fewer new slots for a loop that keeps a few batches; smaller: fewer open descriptors.
 _HELD_WITH_DESCRIPTOR = 4
+
+
+# Small batches travel several to a task, so that the fixed cost of a task's round trip
+# (apply_async, the pool's task and result threads, two pipe hops, each a thread wake-up
+# under the GIL: ~0.1-0.2 ms of the caller's CPU) is shared. A task carries as many
+# consecutive batches of one epoch as the workers load in about _TASK_TARGET_S, measured on
+# the batches so far, at most _MAX_BATCHES_PER_TASK and at most _TASK_BYTES of batch data.
+# The window then holds `prefetch` tasks. Longer target: less overhead per batch; shorter:
+# sooner first batches after a change and less memory in flight. Batches that take longer
+# than the target, or streams, go one to a task.
+_TASK_TARGET_S = 0.005
+_MAX_BATCHES_PER_TASK = 16
+_TASK_BYTES = 1 << 20
+# Weight of the newest batch in the running estimate of a batch's cost and size.
+_ESTIMATE_WEIGHT = 0.2
 
 
 class Collected(NamedTuple):
@@ -112,7 +139,9 @@ class _InProcess:
         self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> _Deferred:
-        return _Deferred(lambda: execute(self._state, self._registration, *args))
+        loader_id, epoch, batches, _ = args
+        return _Deferred(lambda: [execute(self._state, self._registration, loader_id, epoch, number, seed, work, None)
+                                  for number, seed, work in batches])
 
     def find_dead_worker(self) -> str | None:
         return None
@@ -172,12 +201,13 @@ def _start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], 
 
 
 class _Task:
-    """A job dispatched and not yet collected: its result and the slot lent to it."""
+    """Consecutive batches of one epoch dispatched as one task: their jobs, the slot lent to
+    them, the task's result and, once it has arrived, the answers not yet collected."""
 
-    __slots__ = ("job", "slot", "result", "submitted", "arrived")
+    __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "taken")
 
-    def __init__(self, job: Job, slot: Slot | None) -> None:
-        self.job = job
+    def __init__(self, jobs: list[Job], slot: Slot | None) -> None:
+        self.jobs = jobs
         self.slot = slot
         self.result: Any = None
         self.submitted = time.monotonic()
@@ -185,6 +215,16 @@ class _Task:
         # A list, not an attribute: the pool keeps the callback, and a callback bound to the
         # task would tie the task, its result and the pool into a cycle (pipes open until gc).
         self.arrived = [0.0]
+        self.answers: list[Any] | None = None  # decoded once the caller has waited for them
+        self.taken = 0  # batches already collected
+
+    @property
+    def epoch(self) -> int:
+        return self.jobs[0].epoch
+
+    @property
+    def next_job(self) -> Job:
+        return self.jobs[self.taken]
 
     @property
     def mark_arrived(self) -> Callable[[Any], None]:
@@ -216,10 +256,14 @@ class Engine:
         self._backend: _InProcess | _OnPool | None = None
         self._tasks: collections.deque[_Task] = collections.deque()  # in flight, in dispatch order
         self._discarded: list[_Task] = []  # no longer wanted; their slots come back as they finish
+        self._held: Job | None = None  # taken from the schedule, of another epoch than the task being filled
+        self._batch_cost_s = 0.0  # running estimates of a batch's worker time and bytes (0: unknown)
+        self._batch_bytes = 0.0
 
     @property
     def in_flight(self) -> int:
-        return len(self._tasks)
+        """Batches dispatched and not yet collected."""
+        return sum(len(task.jobs) - task.taken for task in self._tasks)
 
     @property
     def shards(self) -> int:
@@ -231,18 +275,44 @@ class Engine:
             self._backend = _start(self._config, self._loader_id, self._make_payload)
         return self._backend
 
+    def batches_per_task(self) -> int:
+        """How many batches the next task carries (see _TASK_TARGET_S)."""
+        if self._backend is None or self._backend.slots is None or self._batch_cost_s <= 0.0:
+            return 1  # in-process and thread workers: nothing to share (and no batch size known)
+        # A task must stay well inside the timeout, which the caller applies per task.
+        count = int(min(_TASK_TARGET_S, self._config.timeout_s / 4) / self._batch_cost_s)
+        return max(1, min(count, self._most_per_task()))
+
+    def _most_per_task(self) -> int:
+        """The most batches a task may carry, by their size alone."""
+        if self._batch_bytes <= 0.0:
+            return _MAX_BATCHES_PER_TASK
+        return max(1, min(_MAX_BATCHES_PER_TASK, int(_TASK_BYTES / self._batch_bytes)))
+
     def fill(self, next_job: Callable[[], Job | None]) -> None:
         """Dispatch jobs from `next_job` until the window is full or it has none."""
         backend = self._running()
         slots = backend.slots
+        per_task = self.batches_per_task()
         while len(self._tasks) < self._config.prefetch:
-            job = next_job()
-            if job is None:
+            first, self._held = self._held or next_job(), None
+            if first is None:
                 return
-            slot = slots.acquire() if slots is not None else None
-            task = _Task(job, slot)
-            task.result = backend.submit((self._loader_id, job.epoch, job.number, job.seed, job.work, slot),
-                                         task.mark_arrived)
+            jobs = [first]
+            while len(jobs) < per_task and not isinstance(first.work, StreamRequest):
+                job = next_job()
+                if job is None:
+                    break
+                if job.epoch != first.epoch:  # a task never spans two epochs
+                    self._held = job
+                    break
+                jobs.append(job)
+            slot = None
+            if slots is not None:
+                slot = slots.acquire(len(jobs), self._most_per_task() if per_task > 1 else 1)
+            task = _Task(jobs, slot)
+            batches = tuple((job.number, job.seed, job.work) for job in jobs)
+            task.result = backend.submit((self._loader_id, first.epoch, batches, task.slot), task.mark_arrived)
             self._tasks.append(task)
 
     def collect(self, epoch: int) -> Collected | None:
@@ -251,46 +321,68 @@ class Engine:
         Re-raises a worker's exception as its own type; raises `WorkerExitedError` or
         `BatchTimeoutError` (after stopping the workers) rather than wait unbounded.
         """
-        if not self._tasks or self._tasks[0].job.epoch != epoch:
+        if not self._tasks or self._tasks[0].epoch != epoch:
             return None
         self._reap_discarded()
-        task = self._tasks.popleft()
-        try:
-            # Every collect reads the exit codes (~2 us), so a worker that died while idle, whose
-            # task the pool gave to its replacement, is reported too, at the caller's next wait.
-            self._check_workers(task)
-            self._wait(task)
-        except (WorkerExitedError, BatchTimeoutError) as exc:
-            self._discarded.append(task)
-            backend = self._backend
-            if isinstance(exc, BatchTimeoutError) and isinstance(backend, _OnPool) and not backend.owns_core:
-                # A shared pool outlives this loader: a hung worker would hold its place forever.
-                backend.core.kill_worker_loading(self._loader_id, task.job.epoch, task.job.number)
-            self.stop_workers(prompt=True)
-            raise
-        except BaseException:  # Ctrl-C: the task is not ours any more
-            self._discarded.append(task)
-            raise
+        task = self._tasks[0]
+        if task.answers is None:
+            self._await(task)
+        assert task.answers is not None
+        position = task.taken
+        task.taken += 1
+        if task.taken == len(task.jobs):
+            self._tasks.popleft()
         ready = time.monotonic()
-        message = task.result.get(0)  # in-process loading loads the batch here
-        received = time.monotonic()
-        if isinstance(message, bytes):
-            message = decode(message)
+        message = task.answers[position]
+        task.answers[position] = None  # the batch is the caller's now
+        slot = task.slot
         slots = self._backend.slots if self._backend is not None else None
         if not isinstance(message, Loaded):
             if slots is not None:
-                slots.give_back(task.slot, None)
+                slots.give_back(slot, None)
             if isinstance(message, WorkerFailure):
                 message.reraise(epoch)
             return Collected(message, {}, message.worker_id)
         batch = message.batch
         if slots is not None:
-            batch = slots.rebuild(task.slot, batch)
+            batch = slots.rebuild(slot, batch)
+        self._estimate(message)
         arrived = task.arrived[0] or message.finished  # in-process loading: no trip back
         timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,
                    "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
-                   "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - received}
+                   "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - ready}
         return Collected(batch, timings, message.worker_id)
+
+    def _await(self, task: _Task) -> None:
+        """Wait for `task`'s answers and decode them; on a failure the task leaves the window."""
+        try:
+            # Every wait reads the exit codes (~2 us), so a worker that died while idle, whose
+            # task the pool gave to its replacement, is reported too, at the caller's next wait.
+            self._check_workers(task)
+            self._wait(task)
+            task.answers = decode_answers(task.result.get(0))  # in-process loading loads the batch here
+        except (WorkerExitedError, BatchTimeoutError) as exc:
+            self._tasks.popleft()
+            self._discarded.append(task)
+            backend = self._backend
+            if isinstance(exc, BatchTimeoutError) and isinstance(backend, _OnPool) and not backend.owns_core:
+                # A shared pool outlives this loader: a hung worker would hold its place forever.
+                backend.core.kill_worker_loading(self._loader_id, task.epoch, [job.number for job in task.jobs])
+            self.stop_workers(prompt=True)
+            raise
+        except BaseException:  # Ctrl-C: the task is not ours any more
+            self._tasks.popleft()
+            self._discarded.append(task)
+            raise
+
+    def _estimate(self, message: Loaded) -> None:
+        """Update the running estimates of a batch's worker time and bytes (handles only)."""
+        cost = message.fetch_s + message.batchify_s
+        self._batch_cost_s += (cost - self._batch_cost_s) * (_ESTIMATE_WEIGHT if self._batch_cost_s else 1.0)
+        handle = message.batch
+        if isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[2], int):
+            size = float(handle[2])
+            self._batch_bytes += (size - self._batch_bytes) * (_ESTIMATE_WEIGHT if self._batch_bytes else 1.0)
 
     def _wait(self, task: _Task) -> None:
         started = time.perf_counter()
@@ -303,18 +395,20 @@ class Engine:
             self._check_workers(task)
             if time.monotonic() > deadline:
                 elapsed = time.perf_counter() - started
-                raise BatchTimeoutError(f"batch {task.job.number} of epoch {task.job.epoch}{_describe_keys(task.job)} "
-                                        f"took more than {elapsed:.1f} s, the loader's timeout="
-                                        f"{self._config.timeout_s:g}; raise timeout= if batches are legitimately "
-                                        "slow, or look for a hang in the dataset")
+                job = task.next_job
+                what = f"batch {job.number}" if len(task.jobs) == 1 else \
+                    f"batches {job.number}-{task.jobs[-1].number}, loaded as one task,"
+                raise BatchTimeoutError(f"{what} of epoch {job.epoch}{_describe_keys(job)} took more than "
+                                        f"{elapsed:.1f} s, the loader's timeout={self._config.timeout_s:g}; "
+                                        "raise timeout= if batches are legitimately slow, or look for a "
+                                        "hang in the dataset")
 
     def _check_workers(self, task: _Task) -> None:
         """Raise WorkerExitedError when a worker process has died since the last check."""
         dead = self._backend.find_dead_worker() if self._backend is not None else None
         if dead is not None:
-            raise WorkerExitedError(f"{dead}. The loader was waiting for batch {task.job.number} of epoch "
-                                    f"{task.job.epoch}; its workers are stopped and the next epoch starts "
-                                    "anew.")
+            raise WorkerExitedError(f"{dead}. The loader was waiting for batch {task.next_job.number} of epoch "
+                                    f"{task.epoch}; its workers are stopped and the next epoch starts anew.")
 
     def discard(self, epoch: int | None = None) -> None:
         """Drop the batches in flight of `epoch` (of every epoch when None).
@@ -323,12 +417,15 @@ class Engine:
         """
         keep: collections.deque[_Task] = collections.deque()
         for task in self._tasks:
-            (self._discarded if epoch is None or task.job.epoch == epoch else keep).append(task)
+            (self._discarded if epoch is None or task.epoch == epoch else keep).append(task)
         self._tasks = keep
+        if self._held is not None and (epoch is None or self._held.epoch == epoch):
+            self._held = None
         self._reap_discarded()
 
     def _reap_discarded(self, backend: _InProcess | _OnPool | None = None) -> None:
-        """Free the slots of discarded tasks that have finished; keep waiting for the others."""
+        """Free the slots of discarded tasks' uncollected batches once the task has finished;
+        keep waiting for the others."""
         backend = backend or self._backend
         slots = backend.slots if backend is not None else None
         if slots is None:
@@ -336,14 +433,17 @@ class Engine:
             return
         keep = []
         for task in self._discarded:
-            if not task.result.ready():
-                keep.append(task)
-                continue
-            try:
-                message = decode(task.result.get(0))
-            except Exception:
-                message = None
-            slots.give_back(task.slot, message.batch if isinstance(message, Loaded) else None)
+            if task.answers is None:
+                if not task.result.ready():
+                    keep.append(task)
+                    continue
+                try:
+                    task.answers = decode_answers(task.result.get(0))
+                except Exception:
+                    task.answers = [None] * len(task.jobs)
+            for position in range(task.taken, len(task.jobs)):
+                message = task.answers[position]
+                slots.give_back(task.slot, message.batch if isinstance(message, Loaded) else None)
         self._discarded = keep
 
     def worker_pids(self) -> list[int]:
@@ -368,6 +468,7 @@ class Engine:
             return
         self._discarded.extend(self._tasks)  # freed below: by the drain, or with every slot at close
         self._tasks.clear()
+        self._held = None  # its epoch ends with these workers
 
         def drain(timeout_s: float) -> None:  # leaving a shared pool: let our tasks finish first
             deadline = time.monotonic() + timeout_s

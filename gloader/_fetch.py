@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
-from ._transport import Slot, SlotMaps, pack_batch
+from ._transport import SlotMaps, SlotSpace, pack_batch
 from ._tree import arrays_to_tensors
 from .batchify import plan_batch
 
@@ -23,7 +23,7 @@ __all__ = ["BatchWriter", "Cursor", "DirectWriter", "SharedMemoryWriter", "load_
 
 # Slots a process worker keeps mapped; see SlotMaps. Larger: fewer re-maps when many slots
 # circulate; smaller: fewer mappings to check when pruning.
-_MAX_MAPPED_SLOTS = 32
+_MAX_MAPPED_SLOTS = 256
 # Batches between two prunes of a worker's mappings (a header read per mapped slot).
 # Smaller: memory of retired slots returns sooner; larger: less per-batch cost.
 _PRUNE_EVERY_BATCHES = 8
@@ -32,29 +32,29 @@ _PRUNE_EVERY_BATCHES = 8
 class BatchWriter(Protocol):
     """Turns samples into what the task returns for them."""
 
-    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: Slot | None) -> Any: ...
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], space: SlotSpace | None) -> Any: ...
 
 
 class DirectWriter:
     """Thread workers and in-process loading share the caller's memory: the batch itself."""
 
-    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: Slot | None) -> Any:
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], space: SlotSpace | None) -> Any:
         return arrays_to_tensors(batchify_fn(samples))
 
 
 class SharedMemoryWriter:
-    """Process workers: plan the batch, write it into the lent slot, and return its handle.
+    """Process workers: plan the batch, write it into the task's lent slot, and return its handle.
     Keeps slots mapped across batches (see `SlotMaps`)."""
 
     def __init__(self) -> None:
         self.maps = SlotMaps(_MAX_MAPPED_SLOTS)
         self._written = 0
 
-    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], slot: Slot | None) -> Any:
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], space: SlotSpace | None) -> Any:
         self._written += 1
         if self._written % _PRUNE_EVERY_BATCHES == 0:
             self.maps.prune()  # give back the memory of slots the caller has retired
-        return pack_batch(plan_batch(batchify_fn, samples), slot, self.maps)
+        return pack_batch(plan_batch(batchify_fn, samples), space, self.maps)
 
 
 class Cursor:
@@ -104,7 +104,7 @@ def _next_shard_samples(streams: dict[int, tuple[int, Any]], loader_id: int, epo
     return samples or None
 
 
-def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, slot: Slot | None, writer: BatchWriter,
+def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: SlotSpace | None, writer: BatchWriter,
                streams: dict[int, tuple[int, Any]], worker_id: int, cursor: Cursor) -> Loaded | ShardEnd:
     """Load one batch of a registered loader: its samples by key, or a stream's next ones.
 
@@ -119,6 +119,6 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, slot: S
     else:
         samples = _fetch_samples(registration.dataset, decode_keys(work), cursor)
     fetched = time.monotonic()
-    batch = writer.write(registration.batchify_fn, samples, slot)
+    batch = writer.write(registration.batchify_fn, samples, space)
     finished = time.monotonic()
     return Loaded(batch, fetched - started, finished - fetched, worker_id, started, finished)

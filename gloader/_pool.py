@@ -149,13 +149,15 @@ class PoolCore:
         if free_locks_of(self.pool, pid):
             logger.warning("gloader worker %d died holding a queue lock; released it for the others", pid)
 
-    def kill_worker_loading(self, loader_id: int, epoch: int, batch_index: int) -> int | None:
-        """Kill the worker process stuck on that batch (a shared pool's hung worker would hold
-        a place forever); the pool starts a replacement. Returns its pid, or None."""
+    def kill_worker_loading(self, loader_id: int, epoch: int, batch_indices: list[int]) -> int | None:
+        """Kill the worker process stuck on one of those batches (a shared pool's hung worker
+        would hold a place forever); the pool starts a replacement. Returns its pid, or None."""
         if self.status is None:
             return None
         for process in list(self.pool._pool):
-            if self.status.doing(process.pid) == (loader_id, epoch, batch_index):
+            doing = self.status.doing(process.pid)
+            if doing is not None and doing[:2] == (loader_id, epoch) and doing[2] in batch_indices:
+                batch_index = doing[2]
                 self._reported.add(process.pid)  # killed on purpose: not a death to report
                 process.kill()
                 logger.warning("killed gloader worker %d: it spent longer than the timeout on batch %d of "

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 
 __all__ = ["BatchTimeoutError", "Job", "Loaded", "ShardEnd", "StreamRequest", "WorkerExitedError", "WorkerFailure",
-           "decode", "decode_keys", "encode", "encode_keys"]
+           "decode", "decode_answers", "decode_keys", "encode", "encode_answers", "encode_keys"]
 
 
 class BatchTimeoutError(TimeoutError, RuntimeError):
@@ -148,6 +148,20 @@ def decode(data: bytes) -> Any:
     import dill
 
     return dill.loads(data[1:])
+
+
+def encode_answers(encoded: list[bytes]) -> bytes:
+    """One task's answers (each made by `encode`) as one bytes object: the pool's pipe then
+    carries a single flat value, which its dill pickler handles as fast as the stdlib's."""
+    return pickle.dumps(encoded, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_answers(answer: Any) -> list[Any]:
+    """A task's answers: decoded from `encode_answers` bytes, or the list thread workers and
+    in-process loading return."""
+    if isinstance(answer, bytes):
+        return [decode(item) for item in pickle.loads(answer)]
+    return list(answer)
 
 
 def encode_keys(keys: Any) -> Any:

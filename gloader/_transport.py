@@ -44,7 +44,7 @@ import torch
 from ._math import round_up
 from ._tree import Leaf, Opaque, iter_leaves
 
-__all__ = ["SlotMaps", "SlotPool", "close_inherited_segments", "pack_batch"]
+__all__ = ["SlotMaps", "SlotPool", "SlotSpace", "close_inherited_segments", "pack_batch"]
 
 # Leaves start on 64-byte boundaries: any dtype view is aligned, and no two leaves share a
 # cache line that two writers could contend on. The header takes the first 64 bytes.
@@ -208,12 +208,23 @@ def _encode(plan: Any, offsets: dict[int, int]) -> Any:
     return ("D", [(key, _encode(item, offsets)) for key, item in plan.items()])
 
 
-def pack_batch(plan: Any, slot: Slot | None, maps: SlotMaps) -> tuple[Any, ...]:
-    """Write a planned batch into the lent slot and return its handle.
+class SlotSpace:
+    """A lent slot as one task's batches fill it, one after the other (worker side)."""
 
-    Returns `(token, bytes used, encoded plan, None)`; when the batch needs no memory or does
-    not fit the slot, token is 0 and the last field holds the batch's bytes (a bytearray,
-    None when empty).
+    __slots__ = ("slot", "offset")
+
+    def __init__(self, slot: Slot | None) -> None:
+        self.slot = slot
+        self.offset = 0  # where the next batch starts, after the header
+
+
+def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any, ...]:
+    """Write a planned batch into the lent slot, after the task's batches before it, and
+    return its handle.
+
+    Returns `(token, offset, bytes used, encoded plan, None)`; when the batch needs no memory
+    or does not fit what is left of the slot, token is 0 and the last field holds the
+    batch's bytes (a bytearray, None when empty).
     """
     offsets: dict[int, int] = {}
     total = 0
@@ -224,21 +235,24 @@ def pack_batch(plan: Any, slot: Slot | None, maps: SlotMaps) -> tuple[Any, ...]:
     if total == 0:  # nothing to write (no tensors, or only empty ones): no memory needed
         for leaf in leaves:
             leaf.fill(torch.empty(leaf.shape, dtype=leaf.dtype))
-        return (0, 0, _encode(plan, offsets), None)
+        return (0, 0, 0, _encode(plan, offsets), None)
     inline: bytearray | None = None
-    if slot is not None and total <= slot[3]:
+    slot = space.slot if space is not None else None
+    offset = space.offset if space is not None else 0
+    if space is not None and slot is not None and offset + total <= slot[3]:
         memory: Any = maps.get(slot)
-        start_at = _HEADER_BYTES
+        start_at = _HEADER_BYTES + offset
+        space.offset += total  # a multiple of _ALIGN_BYTES: the next batch starts aligned
     else:  # the caller does not know this size yet: the batch travels in the handle
         memory = inline = bytearray(total)
-        start_at = 0
+        start_at = offset = 0
     flat = torch.from_numpy(np.frombuffer(memory, dtype=np.uint8, count=total, offset=start_at))
     for leaf in leaves:
         start = offsets[id(leaf)]
         leaf.fill(flat[start:start + leaf.nbytes].view(leaf.dtype).view(leaf.shape))
     del flat
     token = slot[2] if inline is None and slot is not None else 0
-    return (token, total, _encode(plan, offsets), inline)
+    return (token, offset, total, _encode(plan, offsets), inline)
 
 
 _DTYPES: dict[str, torch.dtype] = {}
@@ -275,7 +289,7 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
 
 
 class _Lendable:
-    __slots__ = ("segment", "header", "token", "capacity", "fd")
+    __slots__ = ("segment", "header", "token", "capacity", "fd", "pending")
 
     def __init__(self, fd: int, segment: Segment) -> None:
         self.segment = segment
@@ -284,6 +298,7 @@ class _Lendable:
         self.header[_TOKEN] = self.token
         self.capacity = len(segment) - _HEADER_BYTES
         self.fd = fd
+        self.pending = 0  # batches lent with it that are not back yet (see SlotPool.release)
 
     def close_fd(self) -> None:
         if self.fd >= 0:
@@ -319,24 +334,35 @@ class SlotPool:
         self._free: list[_Lendable] = []
         self._descriptors = 0
         self._size_hint = 0  # bytes of the largest batch seen: what a lent slot must hold
+        self._most_batches = 1  # the most batches lent with one slot so far
         self._closed = False
         self._pid = os.getpid()
         self.segments_created = 0
 
-    def acquire(self) -> Slot | None:
-        """Lend a slot for a batch about to be dispatched; None until a batch's size is known."""
+    def acquire(self, batches: int = 1, most: int = 1) -> Slot | None:
+        """Lend a slot for `batches` batches about to be dispatched as one task; None until a
+        batch's size is known. The slot is free again once each of them has come back: given
+        back, or rebuilt and freed. `most`: how many batches later tasks may carry; new slots
+        have room for that many (the most asked so far), so tasks of a varying size reuse
+        the same slots."""
         with self._lock:
             if self._closed or not self._size_hint:
                 return None
-            while self._free:
-                found = self._free.pop()
-                if found.capacity >= self._size_hint:
+            needed = batches * round_up(self._size_hint, _ALIGN_BYTES)
+            for found in self._free:
+                if found.capacity >= needed:
+                    self._free.remove(found)
+                    found.pending = batches
                     return (self._pid, found.fd, found.token, found.capacity)
-                self._retire(found)  # smaller than the batches now coming
-            needed = self._size_hint
-        size = round_up(_HEADER_BYTES + needed + needed * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
+            for small in list(self._free):  # all smaller than what is coming: replaced by bigger ones
+                self._free.remove(small)
+                self._retire(small)
+            self._most_batches = max(self._most_batches, batches, most)
+            room = self._most_batches * round_up(self._size_hint, _ALIGN_BYTES)
+        size = round_up(_HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
         fd, segment = _create_segment(size)
         made = _Lendable(fd, segment)
+        made.pending = batches
         with self._lock:
             self._slots[made.token] = made
             self._descriptors += 1
@@ -346,7 +372,7 @@ class SlotPool:
     def rebuild(self, slot: Slot | None, handle: tuple[Any, ...]) -> Any:
         """Turn a handle into the batch. Tensors view the slot when the batch was written
         into it, and the slot stays taken until the last of them is freed."""
-        token, total, spec, inline = handle
+        token, offset, total, spec, inline = handle
         self._note_size(total)
         if not token:
             self.give_back(slot, None)
@@ -354,28 +380,32 @@ class SlotPool:
                            else np.empty(0, dtype=np.uint8))
         with self._lock:
             lent = self._slots[token]
-            if self._descriptors > self._max_descriptors:  # see the class: retired when released
+            if self._descriptors > self._max_descriptors and lent.fd >= 0:  # see the class: retired when released
                 lent.close_fd()
                 self._descriptors -= 1
-        base = np.frombuffer(lent.segment, dtype=np.uint8, count=total, offset=_HEADER_BYTES)
+        base = np.frombuffer(lent.segment, dtype=np.uint8, count=total, offset=_HEADER_BYTES + offset)
         batch = _decode(spec, base)
         release = weakref.finalize(base, self.release, token)
         release.atexit = False
         return batch
 
     def give_back(self, slot: Slot | None, handle: tuple[Any, ...] | None) -> None:
-        """Take back the slot of a batch that will never be rebuilt (failed or discarded)."""
+        """Take back a batch's share of its slot when the batch will never be rebuilt (failed
+        or discarded)."""
         if handle is not None:
-            self._note_size(handle[1])
+            self._note_size(handle[2])
         if slot is not None:
             self.release(slot[2])
 
     def release(self, token: int) -> None:
-        """Return a slot to the free list, or retire it (closed, in surplus, or without its
-        descriptor)."""
+        """One batch lent with the slot is back; after the last, return the slot to the free
+        list, or retire it (closed, in surplus, or without its descriptor)."""
         with self._lock:
             lent = self._slots.get(token)
             if lent is None:
+                return
+            lent.pending -= 1
+            if lent.pending > 0:
                 return
             if self._closed or lent.fd < 0 or len(self._free) >= self._max_spare:
                 self._retire(lent)

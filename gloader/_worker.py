@@ -29,10 +29,10 @@ import numpy as np
 
 from . import _registry
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
-from ._protocol import WorkerFailure, encode
+from ._protocol import WorkerFailure, encode, encode_answers
 from ._registry import Payload, Registration, WorkerInfo
 from ._seed import seed_global_rng
-from ._transport import Slot, close_inherited_segments
+from ._transport import Slot, SlotSpace, close_inherited_segments
 
 __all__ = ["PoolSpec", "StatusTable", "WorkerState", "execute", "initialize_process_worker",
            "initialize_thread_worker", "run_task"]
@@ -242,7 +242,7 @@ class WorkerState:
 
 
 def execute(state: WorkerState, registration: Registration, loader_id: int, epoch: int, batch_index: int,
-            seed: int, work: Any, slot: Slot | None) -> Any:
+            seed: int, work: Any, space: SlotSpace | None) -> Any:
     """Load one batch of a registered loader; answer with a message, never raise."""
     if registration.error is not None:
         return state.failure(registration.error, registration.error_traceback, registration.error_context,
@@ -255,7 +255,7 @@ def execute(state: WorkerState, registration: Registration, loader_id: int, epoc
                                                       registration.dataset, np.random.default_rng(seed)))
             if state.crosses_process:  # torch's get_worker_info() is process-wide: not for threads
                 _registry.set_torch_worker_info(registration.torch_info)
-            return load_batch(registration, loader_id, epoch, work, slot, state.writer,
+            return load_batch(registration, loader_id, epoch, work, space, state.writer,
                               state.streams, state.worker_id, cursor)
     except BaseException as exc:
         return state.failure(exc, traceback.format_exc(), "", batch_index, cursor.key)
@@ -267,33 +267,42 @@ _PROCESS_STATE: WorkerState | None = None
 _THREAD_STATE = threading.local()
 
 
-def run_task(loader_id: int, epoch: int, batch_index: int, seed: int, work: Any, slot: Slot | None) -> Any:
-    """The pool's task: load one batch in this worker.
+def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ...], slot: Slot | None) -> Any:
+    """The pool's task: load one or more consecutive batches of one epoch in this worker.
 
     Args:
-        seed: the batch's seed (from the loader's seed, the epoch and the batch index).
-        work: the sample keys (see `_protocol.encode_keys`) or a `StreamRequest`.
-        slot: the shared-memory slot the caller lent for this batch (None: none yet).
+        batches: per batch, `(batch index, seed, work)`: its seed (from the loader's seed,
+            the epoch and the batch index) and its work (the sample keys, see
+            `_protocol.encode_keys`, or a `StreamRequest`).
+        slot: the shared-memory slot the caller lent for the task's batches, which are
+            written into it one after the other (None: none yet).
 
     Returns:
-        A `Loaded`, `ShardEnd` or `WorkerFailure`; `encode`d bytes from process workers.
+        A list of answers, one per batch (`Loaded`, `ShardEnd` or `WorkerFailure`); from
+        process workers, the `encode_answers` bytes of their encodings. A failed batch does
+        not stop the others: each answer is re-raised when the caller reaches its batch.
     """
     state: WorkerState | None = getattr(_THREAD_STATE, "state", None) or _PROCESS_STATE
     if state is None:
-        return encode(WorkerFailure("builtins.RuntimeError", "gloader worker was not initialized", "", "",
-                                    batch_index, None, -1, os.getpid(), None))
+        failure = WorkerFailure("builtins.RuntimeError", "gloader worker was not initialized", "", "",
+                                batches[0][0], None, -1, os.getpid(), None)
+        return encode_answers([encode(failure)] * len(batches))
     registration = state.link.find(loader_id, state)
-    if registration is None:
-        exc = RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its pool "
-                           "was started without it")
-        message: Any = state.failure(exc, "", "", batch_index, None)
-    else:
-        state.link.begin(loader_id, epoch, batch_index)
-        try:
-            message = execute(state, registration, loader_id, epoch, batch_index, seed, work, slot)
-        finally:
-            state.link.end()
-    return _send(state, message, batch_index) if state.crosses_process else message
+    answers: list[Any] = []
+    space = SlotSpace(slot)
+    for batch_index, seed, work in batches:
+        if registration is None:
+            exc = RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its pool "
+                               "was started without it")
+            message: Any = state.failure(exc, "", "", batch_index, None)
+        else:
+            state.link.begin(loader_id, epoch, batch_index)
+            try:
+                message = execute(state, registration, loader_id, epoch, batch_index, seed, work, space)
+            finally:
+                state.link.end()
+        answers.append(_send(state, message, batch_index) if state.crosses_process else message)
+    return encode_answers(answers) if state.crosses_process else answers
 
 
 def _send(state: WorkerState, message: Any, batch_index: int) -> bytes:

@@ -380,3 +380,40 @@ def test_forked_workers_freeze_inherited_objects_out_of_their_collector() -> Non
         counts = torch.cat(list(loader)).flatten().tolist()
     assert all(count > 1000 for count in counts)  # the caller's objects, inherited by fork
     assert gc.get_freeze_count() == 0  # never in the caller's own process
+
+
+def test_small_batches_travel_several_to_a_task_and_nothing_else_changes() -> None:
+    data = np.arange(4000, dtype=np.float32).reshape(1000, 4)
+    inline = DataLoader(data, batch_size=4, shuffle=True, seed=5)
+    with DataLoader(data, batch_size=4, shuffle=True, seed=5, num_workers=2) as loader:
+        for epoch in range(3):
+            expected = list(inline)
+            got = list(loader)
+            assert len(got) == len(expected) == 250
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), epoch
+        assert loader._engine.batches_per_task() > 1  # cheap 64-byte batches: grouped
+    with DataLoader(data, batch_size=4, num_workers=2, thread_pool=True) as threads:
+        list(threads)
+        assert threads._engine.batches_per_task() == 1  # threads share the caller's memory: nothing to gain
+
+
+def test_large_batches_travel_one_to_a_task() -> None:
+    with DataLoader(np.zeros((64, 65536), np.float32), batch_size=8, num_workers=2) as loader:  # 2 MiB batches
+        for _ in range(2):
+            list(loader)
+        assert loader._engine.batches_per_task() == 1
+
+
+def test_an_error_inside_a_grouped_task_is_raised_at_its_own_batch() -> None:
+    with DataLoader(_data.RaisesAt(bad=330, length=400), batch_size=4, num_workers=2) as loader:
+        with pytest.raises(_data.CustomLookupError):
+            list(loader)  # epoch 0 measures the batches; later epochs group them
+        it = iter(loader)
+        got = []
+        with pytest.raises(_data.CustomLookupError, match="sample 330 is corrupt"):
+            for batch in it:
+                got.append(batch)
+        assert loader._engine.batches_per_task() > 1
+        # every batch before the bad one arrived, in order, and the loader goes on after it
+        assert [int(b[0, 0]) for b in got] == list(range(0, 328, 4))
+        assert [int(b[0, 0]) for b in it] == list(range(332, 400, 4))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gloader import DataLoader, batchify
-from gloader._transport import SlotMaps, SlotPool, pack_batch
+from gloader._transport import SlotMaps, SlotPool, SlotSpace, pack_batch
 from gloader.batchify import plan_batch
 from tests import _data
 from tests.conftest import dev_shm_names, segment_sizes
@@ -26,7 +26,7 @@ DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
 def _round_trip(batchify_fn: Any, samples: list[Any], pool: SlotPool, maps: SlotMaps) -> Any:
     """Pack in this process as a worker would, rebuild as the caller does."""
     slot = pool.acquire()
-    return pool.rebuild(slot, pack_batch(plan_batch(batchify_fn, samples), slot, maps))
+    return pool.rebuild(slot, pack_batch(plan_batch(batchify_fn, samples), SlotSpace(slot), maps))
 
 
 @pytest.fixture
@@ -107,8 +107,8 @@ def test_growing_batches_replace_small_slots_and_surplus_is_retired(slots) -> No
     pool, maps = slots
     held = [_round_trip(batchify.default_batchify_fn, [np.zeros(n)] * 2, pool, maps) for n in (10, 10, 10)]
     slot = pool.acquire()
-    handle = pack_batch(plan_batch(batchify.default_batchify_fn, [np.zeros(100_000)] * 2), slot, maps)
-    assert handle[0] == 0 and isinstance(handle[3], bytearray)  # too big for the slot: it travels in the handle
+    handle = pack_batch(plan_batch(batchify.default_batchify_fn, [np.zeros(100_000)] * 2), SlotSpace(slot), maps)
+    assert handle[0] == 0 and isinstance(handle[4], bytearray)  # too big for the slot: it travels in the handle
     big = pool.rebuild(slot, handle)
     assert big.shape == (2, 100_000)
     del held, big
@@ -126,8 +126,9 @@ def test_workers_reuse_slots_in_steady_state_and_held_batches_survive(start_meth
         held = [next(iter(loader))]  # kept across epochs and after close
         snapshot = held[0].clone()
         list(loader)  # holds every batch of an epoch: many slots
-        for _ in loader:  # the next epoch's first batches were dispatched while those were held
-            pass
+        for _ in range(2):  # settle: the next epoch's first batches were dispatched while those were held
+            for batch in loader:  # the loop below holds its batch the same way
+                assert batch.shape == (16, 8)
         slots = loader._engine.slots
         created = slots.segments_created
         for _ in range(3):
@@ -159,7 +160,8 @@ def test_unpicklable_leaf_in_a_batch_travels_by_dill() -> None:
 def test_segments_are_anonymous_never_names_in_dev_shm() -> None:
     names_before = dev_shm_names()
     with DataLoader(np.zeros((64, 1024), np.float32), batch_size=16, num_workers=2) as loader:
-        held = list(loader)
+        list(loader)  # the first batches travel in their handles, until the caller knows their size
+        held = list(loader)  # written into slots by the workers
         in_workers = segment_sizes(loader.worker_pids())
         assert in_workers and set(in_workers) <= set(segment_sizes([os.getpid()]))  # the caller's slots
         assert dev_shm_names() - names_before == set()  # so /dev/shm's size does not limit batches
@@ -195,7 +197,7 @@ def test_running_out_of_memory_is_an_error_naming_the_size_and_the_fix(monkeypat
         raise OSError(errno.ENOSPC, "No space left on device")
 
     pool = SlotPool(max_spare=2, max_descriptors=4)
-    pool.give_back(None, (0, 4096, None, None))  # a batch of 4 KiB was seen
+    pool.give_back(None, (0, 0, 4096, None, None))  # a batch of 4 KiB was seen
     monkeypatch.setattr(_transport.os, "posix_fallocate", no_space)
     with pytest.raises(OSError, match=r"could not reserve .* MiB of shared memory for a batch .*lower prefetch or "
                                       r"batch_size"):
@@ -218,7 +220,7 @@ def test_files_planted_in_dev_shm_are_never_touched() -> None:
 
 def test_a_slot_whose_token_does_not_match_is_refused(slots) -> None:
     pool, maps = slots
-    pool.give_back(None, (0, 4096, None, None))  # a batch of 4 KiB was seen
+    pool.give_back(None, (0, 0, 4096, None, None))  # a batch of 4 KiB was seen
     pid, fd, token, capacity = pool.acquire()
     assert token != 0 and pid == os.getpid()
     with pytest.raises(RuntimeError, match=r"is not the slot gloader's caller \(pid \d+\) lent"):
@@ -228,7 +230,8 @@ def test_a_slot_whose_token_does_not_match_is_refused(slots) -> None:
 
 
 def test_a_batch_freed_while_the_slot_pool_holds_its_lock_does_not_deadlock() -> None:
-    with DataLoader(np.zeros((64, 4), np.float32), batch_size=4, num_workers=1, prefetch=1) as loader:
+    # 1 MiB batches travel one to a task, one to a slot
+    with DataLoader(np.zeros((64, 65536), np.float32), batch_size=4, num_workers=1, prefetch=1) as loader:
         it = iter(loader)
         next(it)  # travels in its handle: the caller learns the size
         batch = next(it)  # written into a slot
@@ -238,3 +241,25 @@ def test_a_batch_freed_while_the_slot_pool_holds_its_lock_does_not_deadlock() ->
             del batch
             gc.collect()
         assert len(slots._free) == free + 1  # the slot came back
+
+
+def test_a_tasks_batches_share_one_slot_which_is_free_after_the_last_is_freed(slots) -> None:
+    pool, maps = slots
+    fn = batchify.default_batchify_fn
+    _round_trip(fn, [np.zeros(100, np.float32)] * 4, pool, maps)  # the size is known
+    slot = pool.acquire(3)
+    space = SlotSpace(slot)
+    handles = [pack_batch(plan_batch(fn, [np.full(100, float(i), np.float32)] * 4), space, maps) for i in range(3)]
+    assert [h[0] for h in handles] == [slot[2]] * 3  # all three written into the one slot
+    assert handles[0][1] == 0 and handles[1][1] >= handles[0][2] and handles[2][1] >= handles[1][1] + handles[1][2]
+    too_many = pack_batch(plan_batch(fn, [np.zeros(100_000, np.float32)] * 4), space, maps)
+    assert too_many[0] == 0 and isinstance(too_many[4], bytearray)  # what does not fit travels in the handle
+    batches = [pool.rebuild(slot, handle) for handle in handles]
+    assert all((batch == i).all() and batch.shape == (4, 100) for i, batch in enumerate(batches))
+    free = len(pool._free)
+    del batches[0], batches[0]
+    gc.collect()
+    assert len(pool._free) == free  # one batch still views the slot: it cannot be lent again
+    del batches
+    gc.collect()
+    assert len(pool._free) == free + 1
