@@ -29,7 +29,9 @@ setup(
             "mypy>=1.8",
             "ruff>=0.4",
             "matplotlib>=3.7",
+            "pillow>=9.1",
         ],
-        "bench": ["matplotlib>=3.7", "psutil>=5.9"],
+        # tensorpack: a peer the benchmark compares with (W1, W2); pillow: W8's JPEGs.
+        "bench": ["matplotlib>=3.7", "psutil>=5.9", "pillow>=9.1", "tensorpack>=0.11"],
     },
 )

@@ -349,7 +349,7 @@ class SlotPool:
             if self._closed or not self._size_hint:
                 return None
             needed = batches * round_up(self._size_hint, _ALIGN_BYTES)
-            for found in self._free:
+            for found in reversed(self._free):  # the most recently freed first: its pages are likeliest cached
                 if found.capacity >= needed:
                     self._free.remove(found)
                     found.pending = batches

@@ -38,7 +38,7 @@ def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
-    (["--workloads", "W1,W12"], r"--workloads takes W1 to W7 and W9; got \['W12'\]"),
+    (["--workloads", "W1,W12"], r"--workloads takes W1 to W9; got \['W12'\]"),
     (["--workloads", "W1", "--plot", "x.png"], "--plot needs W1, W2, W3 and W4"),
 ])
 def test_bad_arguments_exit_with_a_message(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,3 +60,35 @@ def test_huggingface_workload_is_skipped_with_a_message_without_the_datasets_pac
     results = bench.run(quick=True, rounds=1, only={"W9"})
     assert results["W9"] == {"skipped": "the datasets package is not installed (pip install datasets)"}
     assert "| W9 skipped: the datasets package is not installed" in bench.report(results)
+
+
+def test_peers_are_reported_beside_gloader_and_a_missing_tensorpack_is_skipped_with_a_message(monkeypatch) -> None:
+    from gloader.bench import cli
+
+    monkeypatch.setattr(cli, "has_tensorpack", lambda: False)
+    results = bench.run(quick=True, rounds=1, only={"W1"})
+    assert results["W1"]["skipped_peers"] == {"tensorpack": "not installed (pip install tensorpack)"}
+    got = results["W1"]["samples_per_s"]
+    assert set(got) == {"gloader", "torch", "in-process", "gloader nw=1"} and all(v[0] > 0 for v in got.values())
+    row = next(line for line in bench.report(results).splitlines() if line.startswith("| W1 |"))
+    cells = row.strip("|").split("|")
+    assert _median(cells[1]) == pytest.approx(got["gloader"][0], rel=1e-3)
+    in_process = float(cells[2].split("(**")[1].rstrip("x*) "))
+    assert in_process == pytest.approx(got["gloader"][0] / got["in-process"][0], abs=0.01)
+    assert "skipped: not installed (pip install tensorpack)" in cells[4]
+
+
+def test_jpeg_folder_workload_reports_a_row_and_a_scaling_table_and_removes_its_files() -> None:
+    import glob
+    import tempfile
+
+    before = set(glob.glob(f"{tempfile.gettempdir()}/gloader-bench-jpegs-*"))
+    done = subprocess.run([sys.executable, "-m", "gloader.bench", "--quick", "--rounds", "1", "--workloads", "W8"],
+                          capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr
+    assert any(line.startswith("| W8 ImageFolder JPEGs") for line in done.stdout.splitlines())
+    scaling = next(line for line in done.stdout.splitlines() if line.startswith("| W8 | gloader"))
+    ratios = re.findall(r"gloader (\d+), torch (\d+) \(([\d.]+)x\)", scaling)
+    assert len(ratios) == 3  # num_workers 1, 2, 4
+    assert all(float(r) == pytest.approx(int(g) / int(t), abs=0.02) for g, t, r in ratios)
+    assert set(glob.glob(f"{tempfile.gettempdir()}/gloader-bench-jpegs-*")) == before

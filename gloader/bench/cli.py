@@ -1,14 +1,21 @@
 """Side-by-side benchmark: gloader versus torch.utils.data.DataLoader in one process run.
 
-Run `python -m gloader.bench` (add `--quick` for a run under a minute, `--plot FILE.png` for a
-chart). Both loaders use the same synthetic datasets (made from the index, nothing is
-downloaded), num_workers=2, and are measured round by round, interleaved, so that machine
-noise hits both alike; the report gives medians and min-max ratios over the rounds.
+Run `python -m gloader.bench` (add `--quick` for a short run, `--plot FILE.png` for a chart).
+Every loader uses the same synthetic datasets (made from the index or written by the
+benchmark, nothing is downloaded), num_workers=2 unless said, and they are measured round by
+round, interleaved, so that machine noise hits all alike; each round first takes some
+batches untimed (so that no loader is timed on what it buffered while the others ran); the
+report gives medians and min-max over the rounds. Peers beside torch on W1-W3: the loop a user
+writes without workers, gloader with one worker, and tensorpack's MultiProcessRunnerZMQ with two
+(W1, W2; skipped with a message when tensorpack is not installed).
 
 Workloads:
     W1 tiny: samples of float32[16] + int, batch 256, shuffle.
     W2 images: uint8 224x224x3 + int, batch 64, shuffle.
     W3 CPU-bound: about 0.5 ms of numpy work per sample, batch 32.
+    W8 an ImageFolder of 2,000 JPEGs (500x375) the benchmark writes, with the classic ImageNet
+        training transform in PIL/numpy (decode, random resized crop to 224, flip, normalize),
+        batch 64. W3 and W8 also get a scaling table: gloader and torch with 1, 2 and 4 workers.
     W9 a HuggingFace `datasets` table in torch format (50,000 rows of float32[64] + label),
         batch 256; both loaders use its batched `__getitems__`. Skipped when `datasets` is
         not installed.
@@ -21,9 +28,12 @@ Uses gloader's public API only, like any other user of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -34,15 +44,26 @@ import gloader
 from .datasets import (
     CpuBoundDataset,
     ImageDataset,
+    JpegFolder,
     TinyDataset,
     calibrate_cpu_work,
     has_huggingface_datasets,
+    has_pillow,
     huggingface_table,
+    write_jpeg_folder,
 )
+from .peers import InProcessLoop, TensorpackLoop, has_tensorpack
 
 __all__ = ["main", "plot", "report", "run"]
 
 _WORKERS = 2
+
+
+# Peers measured beside gloader (nw=2) and torch (nw=2, persistent workers), per workload.
+_PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack"), "W2": ("in-process", "gloader nw=1", "tensorpack"),
+          "W3": ("in-process", "gloader nw=1")}
+_SCALING = ("W3", "W8")
+_SCALING_WORKERS = (1, 2, 4)
 
 
 @dataclasses.dataclass
@@ -53,23 +74,41 @@ class Workload:
     batch_size: int
     sample_bytes: int
     batches: int  # per round and loader
+    warm: int  # batches each loader serves untimed at the start of a round
 
 
-def _gloader(dataset: Any, batch_size: int) -> Any:
-    return gloader.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=_WORKERS, seed=0)
+def _gloader(dataset: Any, batch_size: int, workers: int = _WORKERS) -> Any:
+    return gloader.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, seed=0)
 
 
-def _torch(dataset: Any, batch_size: int) -> Any:
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=_WORKERS,
+def _torch(dataset: Any, batch_size: int, workers: int = _WORKERS) -> Any:
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
                                        persistent_workers=True)
 
 
-def _throughput(loader: Any, batches: int) -> float:
-    """Seconds for `batches` batches, counted from the first batch (workers warm)."""
-    taken = 0
+def _make_peer(name: str, dataset: Any, batch_size: int) -> Any:
+    if name == "gloader":
+        return _gloader(dataset, batch_size)
+    if name == "torch":
+        return _torch(dataset, batch_size)
+    if name == "gloader nw=1":
+        return _gloader(dataset, batch_size, 1)
+    if name == "in-process":
+        return InProcessLoop(dataset, batch_size)
+    return TensorpackLoop(dataset, batch_size, _WORKERS)
+
+
+def _close(loader: Any) -> None:
+    close = getattr(loader, "close", None)  # torch's DataLoader has none: its workers end with it
+    if close is not None:
+        close()
+
+
+def _throughput(loader: Any, batches: int, warm: int = 1) -> float:
+    """Seconds for `batches` batches, counted after `warm` untimed ones (workers busy)."""
+    taken = -warm
     it = iter(loader)
-    next(it)
-    start = time.perf_counter()
+    start = 0.0
     while taken < batches:
         try:
             batch = next(it)
@@ -78,6 +117,8 @@ def _throughput(loader: Any, batches: int) -> float:
             continue
         del batch
         taken += 1
+        if taken == 0:
+            start = time.perf_counter()
     return time.perf_counter() - start
 
 
@@ -114,51 +155,111 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
     """Run the workloads (all, or those named in `only`); returns per-round measurements."""
     size = calibrate_cpu_work()
     scale = 0.1 if quick else 1.0
+    results: dict[str, Any] = {"rounds": rounds, "cpu_work_size": size}
+    with contextlib.ExitStack() as cleanup:
+        workloads = _workloads(size, scale, only, results, cleanup)
+        with_latency = only is None or "W4" in only
+        scaling = [w for w in workloads if w.name in _SCALING]
+        steps = sum(2 + len(_PEERS.get(w.name, ())) for w in workloads) + with_latency * 2
+        progress = _Progress(rounds * steps + len(scaling) * len(_SCALING_WORKERS) * 2 * _scaling_rounds(rounds))
+        for work in workloads:
+            results[work.name] = _measure_workload(work, rounds, progress)
+        if scaling:
+            results["scaling"] = {w.name: _measure_scaling(w, rounds, progress) for w in scaling}
+        _run_memory(quick, only, results)
+        if only is not None and "W7" in only:
+            from .device import measure_device_transfer
+
+            results["W7"] = measure_device_transfer(quick, rounds)
+        if with_latency:
+            results["W4"] = _measure_latency(rounds, 5, progress)
+    return results
+
+
+def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str, Any],
+               cleanup: contextlib.ExitStack) -> list[Workload]:
+    def jpegs() -> Any:
+        root = tempfile.mkdtemp(prefix="gloader-bench-jpegs-")
+        cleanup.callback(shutil.rmtree, root, ignore_errors=True)
+        sys.stderr.write("W8: writing 2,000 JPEGs ...\n")
+        write_jpeg_folder(root, 2000)
+        return JpegFolder(root)
+
     workloads = [
         Workload("W1", "tiny float32[16]+int, batch 256", lambda: TinyDataset(200_000), 256, 16 * 4 + 8,
-                 int(300 * scale) or 30),
+                 int(300 * scale) or 30, 160),
         Workload("W2", "images uint8 224x224x3+int, batch 64", lambda: ImageDataset(20_000), 64,
-                 224 * 224 * 3 + 8, int(150 * scale) or 15),
+                 224 * 224 * 3 + 8, int(150 * scale) or 15, 150 if scale == 1.0 else 15),
         Workload("W3", "CPU-bound ~0.5 ms/sample, batch 32", lambda: CpuBoundDataset(20_000, size), 32, 64 * 4 + 8,
-                 int(100 * scale) or 10),
+                 int(100 * scale) or 10, 10),
+        Workload("W8", "ImageFolder JPEGs, decode + crop/flip/normalize, batch 64", jpegs, 64,
+                 3 * 224 * 224 * 4 + 8, int(12 * scale) or 3, 10 if scale == 1.0 else 2),
         Workload("W9", "HuggingFace datasets table (torch format), batch 256", lambda: huggingface_table(50_000),
-                 256, 64 * 4 + 8, int(150 * scale) or 15),
+                 256, 64 * 4 + 8, int(150 * scale) or 15, 4),
     ]
     if only is not None:
         workloads = [w for w in workloads if w.name in only]
-    results: dict[str, Any] = {"rounds": rounds, "cpu_work_size": size}
-    if any(w.name == "W9" for w in workloads) and not has_huggingface_datasets():
-        workloads = [w for w in workloads if w.name != "W9"]
-        results["W9"] = {"skipped": "the datasets package is not installed (pip install datasets)"}
-    latency_epochs = 5
-    with_latency = only is None or "W4" in only
-    progress = _Progress(rounds * (len(workloads) + with_latency) * 2)
-    for work in workloads:
-        dataset = work.make()
-        loaders = {"gloader": _gloader(dataset, work.batch_size), "torch": _torch(dataset, work.batch_size)}
-        times: dict[str, list[float]] = {"gloader": [], "torch": []}
-        for r in range(rounds):
-            order = ["gloader", "torch"] if r % 2 == 0 else ["torch", "gloader"]
-            for name in order:
-                times[name].append(_throughput(loaders[name], work.batches))
-                progress.step(f"{work.name} round {r + 1} {name}")
-        loaders["gloader"].close()
-        del loaders
-        samples = work.batches * work.batch_size
-        results[work.name] = {
-            "title": work.title,
-            "samples_per_s": {k: [samples / t for t in v] for k, v in times.items()},
-            "mb_per_s": {k: [samples * work.sample_bytes / t / 1e6 for t in v] for k, v in times.items()},
-            "ratio": [t_torch / t_gl for t_gl, t_torch in zip(times["gloader"], times["torch"])],
-        }
-    _run_memory(quick, only, results)
-    if only is not None and "W7" in only:
-        from .device import measure_device_transfer
+    for name, present, message in (
+            ("W8", has_pillow, "Pillow is not installed (pip install pillow)"),
+            ("W9", has_huggingface_datasets, "the datasets package is not installed (pip install datasets)")):
+        if any(w.name == name for w in workloads) and not present():
+            workloads = [w for w in workloads if w.name != name]
+            results[name] = {"skipped": message}
+    return workloads
 
-        results["W7"] = measure_device_transfer(quick, rounds)
-    if with_latency:
-        results["W4"] = _measure_latency(rounds, latency_epochs, progress)
-    return results
+
+def _measure_workload(work: Workload, rounds: int, progress: _Progress) -> dict[str, Any]:
+    """gloader, torch and the workload's peers, round by round, the order turning each round."""
+    dataset = work.make()
+    names = ["gloader", "torch", *_PEERS.get(work.name, ())]
+    skipped = {}
+    if "tensorpack" in names and not has_tensorpack():
+        names.remove("tensorpack")
+        skipped["tensorpack"] = "not installed (pip install tensorpack)"
+    loaders = {name: _make_peer(name, dataset, work.batch_size) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    try:
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name].append(_throughput(loaders[name], work.batches, work.warm))
+                progress.step(f"{work.name} round {r + 1} {name}")
+    finally:
+        for loader in loaders.values():
+            _close(loader)
+    samples = work.batches * work.batch_size
+    gl = times["gloader"]
+    return {
+        "title": work.title,
+        "samples_per_s": {k: [samples / t for t in v] for k, v in times.items()},
+        "mb_per_s": {k: [samples * work.sample_bytes / t / 1e6 for t in v] for k, v in times.items()},
+        "ratio": [t_torch / t_gl for t_gl, t_torch in zip(gl, times["torch"])],
+        "ratios": {k: [t / g for g, t in zip(gl, v)] for k, v in times.items() if k != "gloader"},
+        "skipped_peers": skipped,
+    }
+
+
+def _scaling_rounds(rounds: int) -> int:
+    return max(1, min(rounds, 3))
+
+
+def _measure_scaling(work: Workload, rounds: int, progress: _Progress) -> dict[str, Any]:
+    """Samples/s of gloader and torch with 1, 2 and 4 workers (persistent), interleaved."""
+    dataset = work.make()
+    out: dict[str, Any] = {}
+    for workers in _SCALING_WORKERS:
+        loaders = {"gloader": _gloader(dataset, work.batch_size, workers),
+                   "torch": _torch(dataset, work.batch_size, workers)}
+        times: dict[str, list[float]] = {"gloader": [], "torch": []}
+        try:
+            for r in range(_scaling_rounds(rounds)):
+                for name in (["gloader", "torch"] if r % 2 == 0 else ["torch", "gloader"]):
+                    times[name].append(_throughput(loaders[name], work.batches, work.warm))
+                    progress.step(f"{work.name} scaling nw={workers} round {r + 1} {name}")
+        finally:
+            for loader in loaders.values():
+                _close(loader)
+        out[str(workers)] = {k: [work.batches * work.batch_size / t for t in v] for k, v in times.items()}
+    return out
 
 
 def _measure_latency(rounds: int, epochs: int, progress: _Progress) -> dict[str, Any]:
@@ -196,7 +297,7 @@ def report(results: dict[str, Any]) -> str:
              "median (min-max)", "",
              "| workload | gloader samples/s | torch samples/s | gloader MB/s | torch MB/s | gloader/torch |",
              "|---|---|---|---|---|---|"]
-    for name in ("W1", "W2", "W3", "W9"):
+    for name in ("W1", "W2", "W3", "W8", "W9"):
         if name not in results:
             continue
         res = results[name]
@@ -206,6 +307,7 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {name} {res['title']} | {_summary(res['samples_per_s']['gloader'])} | "
                      f"{_summary(res['samples_per_s']['torch'])} | {_summary(res['mb_per_s']['gloader'])} | "
                      f"{_summary(res['mb_per_s']['torch'])} | **{_summary(res['ratio'])}x** |")
+    lines += _report_peers(results) + _report_scaling(results)
     from .device import report_device
     from .memory import report_memory
 
@@ -218,6 +320,44 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {label} | {_summary(w4[key]['gloader'])} | {_summary(w4[key]['torch'])} | "
                      f"{_summary(ratio)}x |")
     return "\n".join(lines + report_memory(results) + report_device(results))
+
+
+def _report_peers(results: dict[str, Any]) -> list[str]:
+    """gloader (nw=2) beside the peers other than torch: samples/s, and gloader's speed over each."""
+    rows = [name for name in _PEERS if name in results and "ratios" in results[name]]
+    if not rows:
+        return []
+    peers = ["in-process", "gloader nw=1", "tensorpack"]
+    lines = ["", "Peers beside torch, samples/s (gloader nw=2 / peer); median (min-max) over the rounds", "",
+             "| workload | gloader nw=2 | " + " | ".join(peers) + " |", "|---|---|" + "---|" * len(peers)]
+    for name in rows:
+        res = results[name]
+        cells = []
+        for peer in peers:
+            if peer in res["samples_per_s"]:
+                cells.append(f"{_summary(res['samples_per_s'][peer])} (**{statistics.median(res['ratios'][peer]):.2f}x**)")
+            else:
+                cells.append(f"skipped: {res['skipped_peers'].get(peer, 'not measured here')}")
+        lines.append(f"| {name} | {_summary(res['samples_per_s']['gloader'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _report_scaling(results: dict[str, Any]) -> list[str]:
+    """Samples/s by num_workers for W3 and W8, gloader and torch."""
+    scaling = results.get("scaling")
+    if not scaling:
+        return []
+    lines = ["", "Scaling with num_workers (samples/s, median; gloader/torch)", "",
+             "| workload | " + " | ".join(f"nw={w}" for w in _SCALING_WORKERS) + " |",
+             "|---|" + "---|" * len(_SCALING_WORKERS)]
+    for name, by_workers in scaling.items():
+        cells = []
+        for workers in _SCALING_WORKERS:
+            got = by_workers[str(workers)]
+            gl, th = statistics.median(got["gloader"]), statistics.median(got["torch"])
+            cells.append(f"gloader {gl:.0f}, torch {th:.0f} ({gl / th:.2f}x)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -254,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small run, under a minute")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (needs W1-W4)")
-    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W7, W9; W7 needs CUDA and runs only when named)")
+    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W9; W7 needs CUDA and runs only when named)")
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     if rounds < 1:
@@ -267,9 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     only = None
     if args.workloads:
         only = {w.strip().upper() for w in args.workloads.split(",")}
-        unknown = only - {"W1", "W2", "W3", "W4", "W5", "W6", "W7", "W9"}
+        unknown = only - {"W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9"}
         if unknown:
-            parser.error(f"--workloads takes W1 to W7 and W9; got {sorted(unknown)}")
+            parser.error(f"--workloads takes W1 to W9; got {sorted(unknown)}")
         if args.plot and not {"W1", "W2", "W3", "W4"} <= only:
             parser.error("--plot needs W1, W2, W3 and W4")
     torch.set_num_threads(1)
