@@ -143,24 +143,26 @@ def encode(message: Any) -> bytes:
 
 def decode(data: bytes) -> Any:
     """Decode bytes made by `encode`."""
+    body = memoryview(data)[1:]  # no copy: a batch may travel inside
     if data[:1] == b"P":
-        return pickle.loads(data[1:])
+        return pickle.loads(body)
     import dill
 
-    return dill.loads(data[1:])
+    return dill.loads(body)
 
 
-def encode_answers(encoded: list[bytes]) -> bytes:
-    """One task's answers (each made by `encode`) as one bytes object: the pool's pipe then
-    carries a single flat value, which its dill pickler handles as fast as the stdlib's."""
-    return pickle.dumps(encoded, protocol=pickle.HIGHEST_PROTOCOL)
+def encode_answers(answers: list[Any]) -> bytes:
+    """One task's answers as one bytes object for the caller (one pickle: a batch that travels
+    in its handle is copied once). Items may be `encode`d bytes already: a worker sends those
+    for answers that cannot be pickled whole, and `decode_answers` decodes them one by one."""
+    return encode(answers)
 
 
 def decode_answers(answer: Any) -> list[Any]:
     """A task's answers: decoded from `encode_answers` bytes, or the list thread workers and
     in-process loading return."""
     if isinstance(answer, bytes):
-        return [decode(item) for item in pickle.loads(answer)]
+        return [decode(item) if isinstance(item, bytes) else item for item in decode(answer)]
     return list(answer)
 
 

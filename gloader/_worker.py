@@ -279,14 +279,14 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
 
     Returns:
         A list of answers, one per batch (`Loaded`, `ShardEnd` or `WorkerFailure`); from
-        process workers, the `encode_answers` bytes of their encodings. A failed batch does
+        process workers, as `encode_answers` bytes. A failed batch does
         not stop the others: each answer is re-raised when the caller reaches its batch.
     """
     state: WorkerState | None = getattr(_THREAD_STATE, "state", None) or _PROCESS_STATE
     if state is None:
         failure = WorkerFailure("builtins.RuntimeError", "gloader worker was not initialized", "", "",
                                 batches[0][0], None, -1, os.getpid(), None)
-        return encode_answers([encode(failure)] * len(batches))
+        return encode_answers([failure] * len(batches))
     registration = state.link.find(loader_id, state)
     answers: list[Any] = []
     space = SlotSpace(slot)
@@ -301,8 +301,13 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
                 message = execute(state, registration, loader_id, epoch, batch_index, seed, work, space)
             finally:
                 state.link.end()
-        answers.append(_send(state, message, batch_index) if state.crosses_process else message)
-    return encode_answers(answers) if state.crosses_process else answers
+        answers.append(message)
+    if not state.crosses_process:
+        return answers
+    try:
+        return encode_answers(answers)
+    except Exception:  # a non-tensor part of a batch cannot be pickled, even by dill: say which
+        return encode_answers([_send(state, message, batch[0]) for message, batch in zip(answers, batches)])
 
 
 def _send(state: WorkerState, message: Any, batch_index: int) -> bytes:
