@@ -61,9 +61,12 @@ class DataLoader(Generic[_T_co]):
         num_workers: worker processes (or threads); 0 loads in the calling thread.
         pin_memory: pin batches in page-locked memory (for faster copies to CUDA).
         pin_device_id: the CUDA device that pinned memory is meant for.
-        prefetch: most batches in flight; default 2 * num_workers.
+        prefetch: most tasks in flight; default 2 * num_workers. A task is one batch, or
+            for small batches that load quickly (under ~5 ms a task) several consecutive
+            ones, at most 16 and 1 MiB.
         thread_pool: run the workers as threads of this process.
-        timeout: most seconds to wait for one batch before raising a TimeoutError.
+        timeout: most seconds to wait for one batch (or one task of small batches) before
+            raising a TimeoutError.
         device: a CUDA device to move batches to (copied one batch ahead on a side stream).
         worker_init_fn: called as `worker_init_fn(worker_id)` once in each worker.
         seed: makes shuffling and per-batch random draws reproducible for any num_workers.
