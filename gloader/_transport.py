@@ -17,10 +17,12 @@ the caller has been sent.
 Worker half: `SlotMaps` maps a lent slot through the caller's descriptor
 (/proc/PID/fd/FD, a process of the same user) the first time it sees it, and keeps it mapped
 across batches without a descriptor: its pages stay in the worker's page table, so the next
-batch is written without page faults. `pack_batch` writes a planned batch into the slot and
-returns a small handle, `(token, bytes used, encoded plan, None)`. A batch that does not fit
-(the first window, before the caller knows the size, or a batch larger than any before)
-travels in the handle instead, as a bytearray; the caller then lends bigger slots.
+batch is written without page faults. `pack_batch` writes a planned batch into the slot, after
+the batches of its task before it, and returns a small handle, `(token, offset, bytes used,
+encoded plan, None)`. Before the caller knows the batch size, it lends probe slots: large,
+not reserved ahead, only the pages written take memory, retired once used. A batch that does
+not fit (larger than any before) travels in the handle instead, as a bytearray; the caller
+then lends bigger slots.
 
 Each segment starts with a 64-byte header the caller writes: a random TOKEN, which the
 worker checks after mapping, and RETIRED, set when the caller gives the segment up (surplus,
@@ -56,6 +58,14 @@ _Header = ctypes.c_uint64 * (_HEADER_BYTES // 8)
 # growing padded batches fit it instead of needing a new slot each time.
 _HEADROOM_EIGHTHS = 1
 _PAGE_BYTES = mmap.PAGESIZE
+# Size of a probe slot, lent with the first window's tasks before any batch size is known
+# (see SlotPool._lend_probe); only the pages a worker writes take memory. Larger: bigger
+# first batches avoid the pipe; smaller: less address space per probe. A batch larger
+# than this still travels in its handle.
+_PROBE_BYTES = 256 << 20
+# Probe slots a loader lends in all: the first window's, and a few more if that window
+# ends before the first batch comes back.
+_MAX_PROBES = 16
 _MADV_DONTFORK = 10  # linux/mman.h
 _SEGMENT_NAME = "gloader"
 # A mapped segment: a ctypes byte array over the mapping (see _map_fd).
@@ -108,14 +118,18 @@ def _out_of_memory(needed: int, exc: OSError) -> OSError:
                               "reached; lower prefetch or batch_size, or raise the limit")
 
 
-def _create_segment(size: int) -> tuple[int, Segment]:
-    """A new anonymous segment of `size` bytes: (its descriptor, its mapping)."""
+def _create_segment(size: int, reserve: bool = True) -> tuple[int, Segment]:
+    """A new anonymous segment of `size` bytes: (its descriptor, its mapping). Unless
+    `reserve` is False (a probe slot), its pages are reserved at once."""
     fd = os.memfd_create(_SEGMENT_NAME, os.MFD_CLOEXEC)
     try:
         # Reserve the pages now: running out of memory then fails here with an error instead
         # of killing a writer with SIGBUS on its first touch of an unbacked page.
         try:
-            os.posix_fallocate(fd, 0, size)
+            if reserve:
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise _out_of_memory(size, exc) from exc
@@ -172,6 +186,8 @@ class SlotMaps:
         header = _Header.from_buffer(segment)
         if header[_TOKEN] != token:
             raise RuntimeError(f"{path} is not the slot gloader's caller (pid {pid}) lent (token mismatch)")
+        if capacity == _PROBE_BYTES - _HEADER_BYTES:  # a probe is lent once: not kept mapped (a slot of
+            return segment  # exactly that size is only mapped again each time)
         self._maps[token] = (segment, header)
         while len(self._maps) > self._max_maps:
             self._maps.popitem(last=False)
@@ -288,8 +304,15 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
     return {key: _decode(item, base) for key, item in spec[1]}
 
 
+def _used_bytes(slot: _Lendable) -> int:
+    try:
+        return os.fstat(slot.fd).st_blocks * 512 if slot.fd >= 0 else len(slot.segment)
+    except OSError:
+        return len(slot.segment)
+
+
 class _Lendable:
-    __slots__ = ("segment", "header", "token", "capacity", "fd", "pending")
+    __slots__ = ("segment", "header", "token", "capacity", "fd", "pending", "probe")
 
     def __init__(self, fd: int, segment: Segment) -> None:
         self.segment = segment
@@ -299,6 +322,7 @@ class _Lendable:
         self.capacity = len(segment) - _HEADER_BYTES
         self.fd = fd
         self.pending = 0  # batches lent with it that are not back yet (see SlotPool.release)
+        self.probe = False  # lent before any batch size was known (see SlotPool.acquire)
 
     def close_fd(self) -> None:
         if self.fd >= 0:
@@ -335,6 +359,7 @@ class SlotPool:
         self._descriptors = 0
         self._size_hint = 0  # bytes of the largest batch seen: what a lent slot must hold
         self._most_batches = 1  # the most batches lent with one slot so far
+        self._probes = 0  # probe slots lent (see _lend_probe)
         self._closed = False
         self._pid = os.getpid()
         self.segments_created = 0
@@ -346,8 +371,10 @@ class SlotPool:
         have room for that many (the most asked so far), so tasks of a varying size reuse
         the same slots."""
         with self._lock:
-            if self._closed or not self._size_hint:
+            if self._closed:
                 return None
+            if not self._size_hint:
+                return self._lend_probe(batches)
             needed = batches * round_up(self._size_hint, _ALIGN_BYTES)
             for found in reversed(self._free):  # the most recently freed first: its pages are likeliest cached
                 if found.capacity >= needed:
@@ -367,6 +394,23 @@ class SlotPool:
             self._slots[made.token] = made
             self._descriptors += 1
             self.segments_created += 1
+        return (self._pid, made.fd, made.token, made.capacity)
+
+    def _lend_probe(self, batches: int) -> Slot | None:
+        """A slot for the first window, before any batch's size is known (call holding the
+        lock). Its size is a guess, _PROBE_BYTES of which only the pages written are used,
+        and it is not reserved ahead; without it those batches would cross the result pipe
+        inside their handles (~50 ms for a 9.6 MB batch). Retired once its batches are back."""
+        if self._probes >= _MAX_PROBES:
+            return None
+        fd, segment = _create_segment(_PROBE_BYTES, reserve=False)
+        made = _Lendable(fd, segment)
+        made.pending = batches
+        made.probe = True
+        self._slots[made.token] = made
+        self._descriptors += 1
+        self._probes += 1
+        self.segments_created += 1
         return (self._pid, made.fd, made.token, made.capacity)
 
     def rebuild(self, slot: Slot | None, handle: tuple[Any, ...]) -> Any:
@@ -407,15 +451,16 @@ class SlotPool:
             lent.pending -= 1
             if lent.pending > 0:
                 return
-            if self._closed or lent.fd < 0 or len(self._free) >= self._max_spare:
+            if self._closed or lent.fd < 0 or lent.probe or len(self._free) >= self._max_spare:
                 self._retire(lent)
             else:
                 self._free.append(lent)
 
     def in_use_bytes(self) -> int:
-        """Bytes of shared memory this loader holds mapped (free slots included)."""
+        """Bytes of shared memory this loader holds mapped (free slots included; of a probe
+        slot, the pages written)."""
         with self._lock:
-            return sum(len(slot.segment) for slot in self._slots.values())
+            return sum(_used_bytes(slot) if slot.probe else len(slot.segment) for slot in self._slots.values())
 
     def close(self) -> None:
         """Retire every slot; batches the user still holds stay valid until freed."""

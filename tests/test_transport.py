@@ -57,7 +57,7 @@ def test_pack_and_rebuild_match_in_process_batchify(name: str, slots) -> None:
     samples, fn = CASES[name]
     if name == "dtypes":
         for tensor in samples:
-            for _ in range(2):  # in the handle (size not known yet), then in a slot
+            for _ in range(2):  # in a probe slot (size not known yet), then in a slot
                 got = _round_trip(fn, [tensor, tensor + 1], *slots)
                 assert_same_batch(got, fn([tensor, tensor + 1]))
         return
@@ -85,21 +85,22 @@ def test_rebuilt_tensors_view_shared_memory_without_copying(slots) -> None:
 def test_slot_is_reused_only_after_the_last_view_dies(slots) -> None:
     pool, cache = slots
     _round_trip(batchify.default_batchify_fn, [np.full(256, 0.0)] * 4, pool, cache)  # the size is known
+    probes = pool.segments_created  # the first batch went into a probe slot, retired since
     first = _round_trip(batchify.default_batchify_fn, [np.full(256, 1.0)] * 4, pool, cache)
     second = _round_trip(batchify.default_batchify_fn, [np.full(256, 2.0)] * 4, pool, cache)
-    assert pool.segments_created == 2  # first is alive: its slot was not handed out again
+    assert pool.segments_created == probes + 2  # first is alive: its slot was not handed out again
     row = first[1]  # a view keeps the whole slot alive
     del first
     gc.collect()
     third = _round_trip(batchify.default_batchify_fn, [np.full(256, 3.0)] * 4, pool, cache)
-    assert pool.segments_created == 3 and (row == 1.0).all() and (second == 2.0).all()
+    assert pool.segments_created == probes + 3 and (row == 1.0).all() and (second == 2.0).all()
     del row
     gc.collect()
     for value in range(4, 20):
         batch = _round_trip(batchify.default_batchify_fn, [np.full(256, float(value))] * 4, pool, cache)
         assert (batch == value).all()
         del batch
-    assert pool.segments_created == 3  # steady state: no new segment
+    assert pool.segments_created == probes + 3  # steady state: no new segment
     assert (third == 3.0).all()
 
 
@@ -263,3 +264,23 @@ def test_a_tasks_batches_share_one_slot_which_is_free_after_the_last_is_freed(sl
     del batches
     gc.collect()
     assert len(pool._free) == free + 1
+
+
+def test_the_first_batches_go_into_probe_slots_that_use_only_the_pages_written(slots) -> None:
+    pool, maps = slots
+    slot = pool.acquire()  # no batch size known yet: a probe slot, not the handle
+    assert slot is not None
+    handle = pack_batch(plan_batch(batchify.default_batchify_fn, [np.ones(1000, np.float32)] * 4),
+                        SlotSpace(slot), maps)
+    assert handle[0] == slot[2] and handle[4] is None and len(maps) == 0  # written there; not kept mapped
+    batch = pool.rebuild(slot, handle)
+    assert (batch == 1.0).all() and pool.in_use_bytes() < 1 << 20  # 16 KB written of a large probe
+    del batch
+    gc.collect()
+    assert pool._slots == {} and pool._free == []  # retired once its batch is back
+    fresh = SlotPool(max_spare=2, max_descriptors=4)
+    try:
+        lent = [fresh.acquire() for _ in range(64)]  # no batch back yet: a few probes, then none
+        assert 1 < sum(slot is not None for slot in lent) < 64 and lent[-1] is None
+    finally:
+        fresh.close()
