@@ -128,6 +128,19 @@ class Sleepy(gloader.Dataset):
         return np.array([idx], dtype=np.int64)
 
 
+class SleepsWhenFlagged(Sleepy):
+    """Like Sleepy, but only while the file `flag` exists: fast in one epoch, stuck in the next."""
+
+    def __init__(self, flag: str, slow: int, seconds: float, length: int = 16) -> None:
+        super().__init__(slow, seconds, length)
+        self.flag = flag
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.slow and not os.path.exists(self.flag):
+            return np.array([idx], dtype=np.int64)
+        return super().__getitem__(idx)
+
+
 class Unpicklable(gloader.Dataset):
     """Holds a generator three levels down: cannot be sent to spawn workers, even by dill."""
 

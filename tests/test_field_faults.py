@@ -3,6 +3,7 @@ datasets, keys, superseded iterators, thread workers and impossible resume state
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -60,6 +61,24 @@ def test_a_hung_worker_on_a_shared_pool_is_replaced_after_the_timeout() -> None:
                 list(slow)
         with DataLoader(np.arange(8), batch_size=2, pool=pool, timeout=10) as other:
             assert torch.cat(list(other)).tolist() == list(range(8))  # both workers serve again
+
+
+def test_a_hang_inside_a_task_of_several_batches_times_out_naming_them_and_the_worker_is_replaced(tmp_path) -> None:
+    flag = tmp_path / "hang"
+    with WorkerPool(2) as pool:
+        dataset = _data.SleepsWhenFlagged(str(flag), slow=131, seconds=60.0, length=200)
+        with DataLoader(dataset, batch_size=2, pool=pool, timeout=1.0) as loader:
+            list(loader)  # fast: the loader measures its batches, and later tasks carry several
+            assert loader._engine.batches_per_task() > 1
+            before = set(pool.worker_pids())
+            flag.touch()
+            with pytest.raises(gloader.BatchTimeoutError, match=r"batches (\d+)-(\d+), loaded as one task, of epoch 1") as info:
+                list(loader)
+            first, last = (int(n) for n in re.search(r"batches (\d+)-(\d+)", str(info.value)).groups())
+            assert first <= 65 <= last  # sample 131 is in batch 65
+        assert wait_until(lambda: len(set(pool.worker_pids()) - before) == 1, 5.0)  # the stuck worker was replaced
+        with DataLoader(np.arange(8), batch_size=2, pool=pool, timeout=10) as other:
+            assert torch.cat(list(other)).tolist() == list(range(8))
 
 
 def test_a_dead_worker_is_reported_promptly() -> None:
