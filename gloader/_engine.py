@@ -345,8 +345,8 @@ class Engine:
             return Collected(message, {}, message.worker_id)
         batch = message.batch
         if slots is not None:
+            self._estimate(message, batch[2])  # the handle's bytes used
             batch = slots.rebuild(slot, batch)
-        self._estimate(message)
         arrived = task.arrived[0] or message.finished  # in-process loading: no trip back
         timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,
                    "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
@@ -375,14 +375,12 @@ class Engine:
             self._discarded.append(task)
             raise
 
-    def _estimate(self, message: Loaded) -> None:
-        """Update the running estimates of a batch's worker time and bytes (handles only)."""
+    def _estimate(self, message: Loaded, size: int) -> None:
+        """Update the running estimates of a batch's worker time and bytes (process workers:
+        only they group batches)."""
         cost = message.fetch_s + message.batchify_s
         self._batch_cost_s += (cost - self._batch_cost_s) * (_ESTIMATE_WEIGHT if self._batch_cost_s else 1.0)
-        handle = message.batch
-        if isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[2], int):
-            size = float(handle[2])
-            self._batch_bytes += (size - self._batch_bytes) * (_ESTIMATE_WEIGHT if self._batch_bytes else 1.0)
+        self._batch_bytes += (size - self._batch_bytes) * (_ESTIMATE_WEIGHT if self._batch_bytes else 1.0)
 
     def _wait(self, task: _Task) -> None:
         started = time.perf_counter()

@@ -21,8 +21,10 @@ from .batchify import plan_batch
 __all__ = ["BatchWriter", "Cursor", "DirectWriter", "SharedMemoryWriter", "load_batch"]
 
 
-# Slots a process worker keeps mapped; see SlotMaps. Larger: fewer re-maps when many slots
-# circulate; smaller: fewer mappings to check when pruning.
+# Slots a process worker keeps mapped; see SlotMaps. A cap well above the slots in
+# circulation (window + spares + held batches with descriptors, prefetch + 6) for any
+# num_workers up to ~100. Larger: fewer re-maps when many slots circulate; smaller: fewer
+# mappings to check when pruning (only those mapped are checked).
 _MAX_MAPPED_SLOTS = 256
 # Batches between two prunes of a worker's mappings (a header read per mapped slot).
 # Smaller: memory of retired slots returns sooner; larger: less per-batch cost.

@@ -81,25 +81,6 @@ def free_locks_of(pool: Any, pid: int) -> bool:
     return freed
 
 
-# Capacity asked for the result pipe. A batch that travels in its handle (the first window,
-# before the caller knows the batch size) crosses it in pipe-sized pieces, each a wake-up of
-# the writing worker and of the pool's reading thread: with Linux's default 64 KiB, a 9.6 MB
-# batch took 150 of them (35-60 ms on 2 busy cores). Larger: fewer wake-ups; Linux caps it
-# at /proc/sys/fs/pipe-max-size (1 MiB by default) for unprivileged processes.
-_RESULT_PIPE_BYTES = 1 << 20
-_F_SETPIPE_SZ = 1031  # linux/fcntl.h
-
-
-def _widen_pipe(fd: int) -> None:
-    """Ask for a larger pipe buffer; keep the default where the system refuses."""
-    import fcntl
-
-    try:
-        fcntl.fcntl(fd, _F_SETPIPE_SZ, _RESULT_PIPE_BYTES)
-    except OSError:
-        pass
-
-
 def make_pool_class() -> type:
     """A `multiprocess.Pool` without three per-batch costs that gloader does not need.
 
@@ -146,7 +127,6 @@ def make_pool_class() -> type:
         def _setup_queues(self) -> None:  # multiprocess's own, with the queues that track lock holders
             self._inqueue = _make_queue_class()(ctx=self._ctx)
             self._outqueue = _make_queue_class()(ctx=self._ctx)
-            _widen_pipe(self._outqueue._reader.fileno())
             self._quick_get = self._outqueue._reader.recv
             send_bytes = self._inqueue._writer.send_bytes
             dill_send = self._inqueue._writer.send

@@ -259,7 +259,7 @@ def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any,
         memory: Any = maps.get(slot)
         start_at = _HEADER_BYTES + offset
         space.offset += total  # a multiple of _ALIGN_BYTES: the next batch starts aligned
-    else:  # the caller does not know this size yet: the batch travels in the handle
+    else:  # larger than any batch before (or no slot lent): the batch travels in the handle
         memory = inline = bytearray(total)
         start_at = offset = 0
     flat = torch.from_numpy(np.frombuffer(memory, dtype=np.uint8, count=total, offset=start_at))
@@ -365,11 +365,11 @@ class SlotPool:
         self.segments_created = 0
 
     def acquire(self, batches: int = 1, most: int = 1) -> Slot | None:
-        """Lend a slot for `batches` batches about to be dispatched as one task; None until a
-        batch's size is known. The slot is free again once each of them has come back: given
-        back, or rebuilt and freed. `most`: how many batches later tasks may carry; new slots
-        have room for that many (the most asked so far), so tasks of a varying size reuse
-        the same slots."""
+        """Lend a slot for `batches` batches about to be dispatched as one task (a probe slot
+        until a batch's size is known; None once the probes are spent or the pool is closed).
+        The slot is free again once each of them has come back: given back, or rebuilt and
+        freed. `most`: how many batches later tasks may carry; new slots have room for that
+        many (the most asked so far), so tasks of a varying size reuse the same slots."""
         with self._lock:
             if self._closed:
                 return None
@@ -379,22 +379,16 @@ class SlotPool:
             for found in reversed(self._free):  # the most recently freed first: its pages are likeliest cached
                 if found.capacity >= needed:
                     self._free.remove(found)
-                    found.pending = batches
-                    return (self._pid, found.fd, found.token, found.capacity)
+                    return self._lend(found, batches)
             for small in list(self._free):  # all smaller than what is coming: replaced by bigger ones
                 self._free.remove(small)
                 self._retire(small)
             self._most_batches = max(self._most_batches, batches, most)
             room = self._most_batches * round_up(self._size_hint, _ALIGN_BYTES)
         size = round_up(_HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
-        fd, segment = _create_segment(size)
-        made = _Lendable(fd, segment)
-        made.pending = batches
+        made = _Lendable(*_create_segment(size))
         with self._lock:
-            self._slots[made.token] = made
-            self._descriptors += 1
-            self.segments_created += 1
-        return (self._pid, made.fd, made.token, made.capacity)
+            return self._adopt(made, batches)
 
     def _lend_probe(self, batches: int) -> Slot | None:
         """A slot for the first window, before any batch's size is known (call holding the
@@ -403,15 +397,21 @@ class SlotPool:
         inside their handles (~50 ms for a 9.6 MB batch). Retired once its batches are back."""
         if self._probes >= _MAX_PROBES:
             return None
-        fd, segment = _create_segment(_PROBE_BYTES, reserve=False)
-        made = _Lendable(fd, segment)
-        made.pending = batches
+        made = _Lendable(*_create_segment(_PROBE_BYTES, reserve=False))
         made.probe = True
+        self._probes += 1
+        return self._adopt(made, batches)
+
+    def _adopt(self, made: _Lendable, batches: int) -> Slot:
+        """Own a new slot and lend it (call holding the lock)."""
         self._slots[made.token] = made
         self._descriptors += 1
-        self._probes += 1
         self.segments_created += 1
-        return (self._pid, made.fd, made.token, made.capacity)
+        return self._lend(made, batches)
+
+    def _lend(self, lent: _Lendable, batches: int) -> Slot:
+        lent.pending = batches
+        return (self._pid, lent.fd, lent.token, lent.capacity)
 
     def rebuild(self, slot: Slot | None, handle: tuple[Any, ...]) -> Any:
         """Turn a handle into the batch. Tensors view the slot when the batch was written

@@ -162,10 +162,14 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         scaling = [w for w in workloads if w.name in _SCALING]
         steps = sum(2 + len(_PEERS.get(w.name, ())) for w in workloads) + with_latency * 2
         progress = _Progress(rounds * steps + len(scaling) * len(_SCALING_WORKERS) * 2 * _scaling_rounds(rounds))
+        datasets = {}
         for work in workloads:
-            results[work.name] = _measure_workload(work, rounds, progress)
+            datasets[work.name] = work.make()  # once: W8 writes 2,000 JPEGs
+            results[work.name] = _measure_workload(work, datasets[work.name], rounds, progress)
+            if work.name not in _SCALING:
+                del datasets[work.name]
         if scaling:
-            results["scaling"] = {w.name: _measure_scaling(w, rounds, progress) for w in scaling}
+            results["scaling"] = {w.name: _measure_scaling(w, datasets[w.name], rounds, progress) for w in scaling}
         _run_memory(quick, only, results)
         if only is not None and "W7" in only:
             from .device import measure_device_transfer
@@ -208,24 +212,31 @@ def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str
     return workloads
 
 
-def _measure_workload(work: Workload, rounds: int, progress: _Progress) -> dict[str, Any]:
-    """gloader, torch and the workload's peers, round by round, the order turning each round."""
-    dataset = work.make()
-    names = ["gloader", "torch", *_PEERS.get(work.name, ())]
-    skipped = {}
-    if "tensorpack" in names and not has_tensorpack():
-        names.remove("tensorpack")
-        skipped["tensorpack"] = "not installed (pip install tensorpack)"
-    loaders = {name: _make_peer(name, dataset, work.batch_size) for name in names}
+def _time_rounds(loaders: dict[str, Any], work: Workload, rounds: int, progress: _Progress,
+                 label: str) -> dict[str, list[float]]:
+    """Seconds per round of each loader, the order turning each round; closes the loaders."""
+    names = list(loaders)
     times: dict[str, list[float]] = {name: [] for name in names}
     try:
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 times[name].append(_throughput(loaders[name], work.batches, work.warm))
-                progress.step(f"{work.name} round {r + 1} {name}")
+                progress.step(f"{label} round {r + 1} {name}")
     finally:
         for loader in loaders.values():
             _close(loader)
+    return times
+
+
+def _measure_workload(work: Workload, dataset: Any, rounds: int, progress: _Progress) -> dict[str, Any]:
+    """gloader, torch and the workload's peers, round by round."""
+    names = ["gloader", "torch", *_PEERS.get(work.name, ())]
+    skipped = {}
+    if "tensorpack" in names and not has_tensorpack():
+        names.remove("tensorpack")
+        skipped["tensorpack"] = "not installed (pip install tensorpack)"
+    times = _time_rounds({name: _make_peer(name, dataset, work.batch_size) for name in names}, work, rounds,
+                         progress, work.name)
     samples = work.batches * work.batch_size
     gl = times["gloader"]
     return {
@@ -242,22 +253,13 @@ def _scaling_rounds(rounds: int) -> int:
     return max(1, min(rounds, 3))
 
 
-def _measure_scaling(work: Workload, rounds: int, progress: _Progress) -> dict[str, Any]:
+def _measure_scaling(work: Workload, dataset: Any, rounds: int, progress: _Progress) -> dict[str, Any]:
     """Samples/s of gloader and torch with 1, 2 and 4 workers (persistent), interleaved."""
-    dataset = work.make()
     out: dict[str, Any] = {}
     for workers in _SCALING_WORKERS:
         loaders = {"gloader": _gloader(dataset, work.batch_size, workers),
                    "torch": _torch(dataset, work.batch_size, workers)}
-        times: dict[str, list[float]] = {"gloader": [], "torch": []}
-        try:
-            for r in range(_scaling_rounds(rounds)):
-                for name in (["gloader", "torch"] if r % 2 == 0 else ["torch", "gloader"]):
-                    times[name].append(_throughput(loaders[name], work.batches, work.warm))
-                    progress.step(f"{work.name} scaling nw={workers} round {r + 1} {name}")
-        finally:
-            for loader in loaders.values():
-                _close(loader)
+        times = _time_rounds(loaders, work, _scaling_rounds(rounds), progress, f"{work.name} scaling nw={workers}")
         out[str(workers)] = {k: [work.batches * work.batch_size / t for t in v] for k, v in times.items()}
     return out
 
