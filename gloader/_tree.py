@@ -40,7 +40,7 @@ class Leaf:
     __slots__ = ("shape", "dtype", "fill")
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, fill: Callable[[torch.Tensor], None]) -> None:
-        self.shape = tuple(int(s) for s in shape)
+        self.shape = tuple(map(int, shape))
         self.dtype = dtype
         self.fill = fill
 

@@ -25,12 +25,10 @@ import time
 import traceback
 from typing import Any, Callable, ContextManager, Iterator
 
-import numpy as np
-
 from . import _registry
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
 from ._protocol import WorkerFailure, encode, encode_answers
-from ._registry import Payload, Registration, WorkerInfo
+from ._registry import Payload, Registration
 from ._seed import seed_global_rng
 from ._transport import Slot, SlotSpace, close_inherited_segments
 
@@ -251,8 +249,7 @@ def execute(state: WorkerState, registration: Registration, loader_id: int, epoc
     try:
         with state.seeding(seed):
             if state.worker_id >= 0:
-                _registry.set_current_info(WorkerInfo(state.worker_id, state.num_workers, seed,
-                                                      registration.dataset, np.random.default_rng(seed)))
+                _registry.set_current_info((state.worker_id, state.num_workers, seed, registration.dataset))
             if state.crosses_process:  # torch's get_worker_info() is process-wide: not for threads
                 _registry.set_torch_worker_info(registration.torch_info)
             return load_batch(registration, loader_id, epoch, work, space, state.writer,

@@ -166,7 +166,7 @@ def _plan_default(samples: Sequence[Any]) -> Any:
                                  f"{list(sample.keys()) if isinstance(sample, Mapping) else type(sample).__name__}")
         return {key: _plan_default([sample[key] for sample in samples]) for key in keys}
     if isinstance(first, Sequence):
-        lengths = {len(sample) for sample in samples}
+        lengths = set(map(len, samples))
         if len(lengths) != 1:
             raise ValueError(f"sequence samples of one batch must have the same length, got lengths "
                              f"{sorted(lengths)}")

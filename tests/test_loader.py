@@ -114,6 +114,8 @@ def test_worker_rng_is_reproducible_with_threads_and_processes(thread_pool: bool
             results.append(torch.cat(list(loader)))
     assert torch.equal(results[0], results[1])
     assert (results[0][:, 1] >= 0).all()  # get_worker_info() was set in every worker
+    for batch in results[0].split(5):  # one generator per batch, its stream continuing from sample to sample
+        assert len(set(batch[:, 1].tolist())) == 5
 
 
 def test_get_worker_info_is_none_in_the_main_process() -> None:
