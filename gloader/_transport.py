@@ -262,28 +262,46 @@ def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any,
     else:  # larger than any batch before (or no slot lent): the batch travels in the handle
         memory = inline = bytearray(total)
         start_at = offset = 0
-    flat = torch.from_numpy(np.frombuffer(memory, dtype=np.uint8, count=total, offset=start_at))
     for leaf in leaves:
-        start = offsets[id(leaf)]
-        leaf.fill(flat[start:start + leaf.nbytes].view(leaf.dtype).view(leaf.shape))
-    del flat
+        start = start_at + offsets[id(leaf)]
+        twin = _numpy_twin(leaf.dtype)
+        if twin is not None:  # one numpy view, then one tensor: ~3x faster than torch slicing and views
+            out = torch.from_numpy(np.ndarray(leaf.shape, twin, memory, start))
+        else:
+            out = torch.frombuffer(memory, dtype=torch.uint8, count=leaf.nbytes, offset=start)
+            out = out.view(leaf.dtype).view(leaf.shape)
+        leaf.fill(out)
+        del out
     token = slot[2] if inline is None and slot is not None else 0
     return (token, offset, total, _encode(plan, offsets), inline)
+
+
+_TWINS: dict[torch.dtype, np.dtype[Any] | None] = {}
+
+
+def _numpy_twin(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """numpy's dtype for a torch dtype; None where numpy has none (bfloat16)."""
+    try:
+        return _TWINS[dtype]
+    except KeyError:
+        pass
+    try:
+        twin: np.dtype[Any] | None = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        twin = None
+    _TWINS[dtype] = twin
+    return twin
 
 
 _DTYPES: dict[str, tuple[torch.dtype, np.dtype[Any] | None]] = {}
 
 
 def _dtype(name: str) -> tuple[torch.dtype, np.dtype[Any] | None]:
-    """The torch dtype named `name` and its numpy twin (None where numpy has none: bfloat16)."""
+    """The torch dtype named `name` and its numpy twin."""
     found = _DTYPES.get(name)
     if found is None:
         dtype = getattr(torch, name)
-        try:
-            twin: np.dtype[Any] | None = torch.empty(0, dtype=dtype).numpy().dtype
-        except TypeError:
-            twin = None
-        found = _DTYPES[name] = (dtype, twin)
+        found = _DTYPES[name] = (dtype, _numpy_twin(dtype))
     return found
 
 

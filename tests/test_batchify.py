@@ -38,9 +38,12 @@ def test_default_recurses_into_tuples_and_dicts() -> None:
     assert out[1]["k"].tolist() == [1.5, 2.5] and out[1]["s"] == ["a", "b"]
 
 
-def test_default_rejects_different_shapes_and_suggests_pad() -> None:
+@pytest.mark.parametrize("second", [np.zeros(3), np.zeros((2, 4)), np.zeros(2), np.zeros((2, 3, 1)), np.zeros((3, 3))],
+                         ids=["length", "inner", "fewer-dims", "more-dims", "length-2d"])
+def test_default_rejects_different_shapes_and_suggests_pad(second: np.ndarray) -> None:
+    first = np.zeros(2) if second.shape == (3,) else np.zeros((2, 3))
     with pytest.raises(ValueError, match="different shapes.*Pad"):
-        default_batchify_fn([np.zeros(2), np.zeros(3)])
+        default_batchify_fn([first, second])
 
 
 def test_pad_pads_to_longest_with_lengths_and_round_to() -> None:
