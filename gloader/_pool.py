@@ -23,7 +23,7 @@ import weakref
 from typing import Any, Callable
 
 from ._checks import check_positive_int, check_start_method
-from ._mppool import free_locks_of, make_pool_class
+from ._mppool import make_pool_class
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._worker import PoolSpec, StatusTable, initialize_process_worker, initialize_thread_worker, run_task
@@ -100,7 +100,8 @@ class PoolCore:
                                         initargs=(self.spec, registrations))
         else:
             self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
-                                           initargs=(self.spec, registrations), context=ctx)
+                                           initargs=(self.spec, registrations), context=ctx,
+                                           lock_dir=self.payload_dir)
             self._watched = list(self.pool._pool)
         logger.debug("started %d %s workers (%s)", num_workers, "thread" if is_thread else "process",
                      start_method or "default start method")
@@ -135,7 +136,6 @@ class PoolCore:
             code = process.exitcode
             if code is not None and process.pid not in self._reported:
                 self._reported.add(process.pid)  # reported once: the pool has replaced it
-                self._free_queues_of(process.pid)
                 if not self._has_started(process.pid):
                     return (f"gloader worker (pid {process.pid}) exited with code {code} while starting, before "
                             "it could load anything; under spawn or forkserver the main script is imported "
@@ -143,11 +143,6 @@ class PoolCore:
                             "traceback is on stderr)")
                 return f"gloader worker (pid {process.pid}) {describe_exit(code)}{self._doing(process.pid)}"
         return None
-
-    def _free_queues_of(self, pid: int) -> None:
-        """Release the queue locks dead worker `pid` held (see `_mppool`)."""
-        if free_locks_of(self.pool, pid):
-            logger.warning("gloader worker %d died holding a queue lock; released it for the others", pid)
 
     def kill_worker_loading(self, loader_id: int, epoch: int, batch_indices: list[int]) -> int | None:
         """Kill the worker process stuck on one of those batches (a shared pool's hung worker
@@ -254,13 +249,7 @@ class PoolCore:
                     process.kill()
                 if not _join_all(alive, _KILL_S):
                     logger.warning("gloader workers %s survived SIGKILL", [p.pid for p in alive if p.exitcode is None])
-        # A worker killed while waiting for a task holds the task queue's read lock forever,
-        # one killed while sending a result the result queue's write lock, and
-        # pool.terminate() would block on either. Every worker is gone now: free both.
-        for lock in (pool._inqueue._rlock, pool._outqueue._wlock):
-            if lock is not None:  # no write lock where pipe writes are atomic (Windows)
-                lock.acquire(block=False)
-                lock.release()
+        # The queues' locks need no freeing: the kernel released those a killed worker held.
         self._stop_pool_threads()
 
     def _stop_maintenance(self) -> None:

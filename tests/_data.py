@@ -6,6 +6,7 @@ import collections
 import os
 import random
 import signal
+import threading
 import time
 from typing import Any
 
@@ -418,3 +419,10 @@ class ExitsAt(gloader.Dataset):
 
             sys.exit(7)
         return np.array([idx])
+
+
+def hold_lock_forever(lock: Any, taken: Any) -> None:
+    """A process that takes `lock`, says so, and waits to be killed."""
+    lock.acquire()
+    taken.set()
+    threading.Event().wait()

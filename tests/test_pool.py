@@ -129,3 +129,44 @@ def test_three_notebook_loaders_deleted_in_any_order_never_affect_each_other() -
                 if not loader._closed:
                     assert all((b[:, 0] == t).all() for b in loader)
         assert gloader.get_worker_info() is None
+
+
+def test_a_task_reader_killed_mid_message_leaves_the_whole_task_for_the_next_reader(tmp_path) -> None:
+    import os
+    import pickle
+    import struct
+
+    import multiprocess
+
+    from gloader._mppool import _make_queue_class
+    from tests.conftest import wait_until
+
+    ctx = multiprocess.get_context("fork")
+    tasks = _make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
+    task = ("task", list(range(5000)))  # ~15 KB: several reads' worth when taken in pieces
+    data = pickle.dumps(task)
+    framed = struct.pack("!i", len(data)) + data
+    os.write(tasks._writer.fileno(), framed[:len(framed) // 2])  # a task half written
+    reader = ctx.Process(target=tasks.get)
+    reader.start()
+
+    def reader_holds_the_lock() -> bool:
+        if tasks._rlock.acquire(block=False):
+            tasks._rlock.release()
+            return False
+        return True
+
+    try:
+        assert wait_until(reader_holds_the_lock, 10.0)  # it waits inside get(), for the rest of the task
+        reader.kill()
+        reader.join(10.0)
+        os.write(tasks._writer.fileno(), framed[len(framed) // 2:])
+        assert tasks.get() == task  # nothing of it was taken by the dead reader, and its lock is free
+    finally:
+        reader.kill()
+        reader.join(10.0)
+        reader.close()
+        for end in (tasks._reader, tasks._writer, tasks._socket):
+            if end is not None:
+                end.close()
+        tasks._rlock.close()
