@@ -137,14 +137,13 @@ def _make_queue_class() -> Any:
         class TrackedQueue(SimpleQueue):  # type: ignore[misc]
             def __init__(self, *, ctx: Any, lock_dir: str, name: str, atomic_reads: bool = False) -> None:
                 super().__init__(ctx=ctx)
+                # Workers read tasks and write results; the caller's threads do the rest
+                # without these locks (the pool's quick_put and quick_get), so those stay as they are.
                 if atomic_reads:  # the same framing over a socket pair, which a reader can peek into
                     self._reader.close()  # type: ignore[has-type]
                     self._writer.close()  # type: ignore[has-type]
                     self._reader, self._writer = ctx.Pipe(duplex=True)
                     self._poll = self._reader.poll
-                # Workers read tasks and write results; the caller's threads do the rest
-                # without these locks (the pool's quick_put and quick_get), so those stay as they are.
-                if atomic_reads:
                     self._rlock = ProcessLock(os.path.join(lock_dir, f"{name}.read.lock"))
                 elif self._wlock is not None:  # type: ignore[has-type]  # None where pipe writes are atomic (Windows)
                     self._wlock = ProcessLock(os.path.join(lock_dir, f"{name}.write.lock"))

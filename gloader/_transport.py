@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import math
 import mmap
 import os
 import threading
@@ -263,13 +264,7 @@ def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any,
         memory = inline = bytearray(total)
         start_at = offset = 0
     for leaf in leaves:
-        start = start_at + offsets[id(leaf)]
-        twin = _numpy_twin(leaf.dtype)
-        if twin is not None:  # one numpy view, then one tensor: ~3x faster than torch slicing and views
-            out = torch.from_numpy(np.ndarray(leaf.shape, twin, memory, start))
-        else:
-            out = torch.frombuffer(memory, dtype=torch.uint8, count=leaf.nbytes, offset=start)
-            out = out.view(leaf.dtype).view(leaf.shape)
+        out = _tensor_at(memory, start_at + offsets[id(leaf)], leaf.shape, leaf.dtype)
         leaf.fill(out)
         del out
     token = slot[2] if inline is None and slot is not None else 0
@@ -293,15 +288,24 @@ def _numpy_twin(dtype: torch.dtype) -> np.dtype[Any] | None:
     return twin
 
 
-_DTYPES: dict[str, tuple[torch.dtype, np.dtype[Any] | None]] = {}
+def _tensor_at(buffer: Any, start: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` viewing `buffer` (bytes-like or a uint8 array) from byte
+    `start`: one numpy view made in one call, then one tensor, ~3x faster than torch slicing
+    and views; a dtype numpy lacks (bfloat16) is viewed as bytes and reinterpreted by torch."""
+    twin = _numpy_twin(dtype)
+    if twin is not None:
+        return torch.from_numpy(np.ndarray(shape, twin, buffer, start))
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.frombuffer(buffer, np.uint8, nbytes, start)).view(dtype).view(shape)
 
 
-def _dtype(name: str) -> tuple[torch.dtype, np.dtype[Any] | None]:
-    """The torch dtype named `name` and its numpy twin."""
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
     found = _DTYPES.get(name)
     if found is None:
-        dtype = getattr(torch, name)
-        found = _DTYPES[name] = (dtype, _numpy_twin(dtype))
+        found = _DTYPES[name] = getattr(torch, name)
     return found
 
 
@@ -309,16 +313,10 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
     kind = spec[0]
     if kind == "t":
         _, start, shape, dtype_name = spec
-        dtype, twin = _dtype(dtype_name)
-        count = 1
-        for size in shape:
-            count *= size
-        if count == 0:
+        dtype = _dtype(dtype_name)
+        if math.prod(shape) == 0:  # holds no bytes: need not keep the slot taken
             return torch.empty(shape, dtype=dtype)
-        if twin is not None:  # one numpy view made in one call, then one tensor: ~3x faster than torch views
-            return torch.from_numpy(np.ndarray(shape, twin, base, start))
-        view = torch.from_numpy(base[start:start + count * dtype.itemsize])
-        return view.view(dtype).view(shape)
+        return _tensor_at(base, start, shape, dtype)
     if kind == "o":
         return spec[1]
     if kind == "L":
