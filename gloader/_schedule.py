@@ -11,13 +11,25 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterator
 
+import numpy as np
+
 from ._checks import is_int
 from ._protocol import Job, StreamRequest, encode_keys
 from ._seed import derive_batch_seed
+from .sampler import BatchSampler
 
 __all__ = ["Epoch", "Schedule"]
 
 _STATE_KEYS = ("epoch", "batches_yielded", "sampler", "seed")
+
+
+def _encoded_batches(batch_sampler: Any) -> Iterator[Any]:
+    """One epoch of `batch_sampler`, each batch's keys as `encode_keys` encodes them; straight
+    from the epoch's index array when the samplers make one (~15 us a batch of 256 less)."""
+    arrays = batch_sampler._index_batches() if isinstance(batch_sampler, BatchSampler) else None
+    if arrays is None:
+        return map(encode_keys, batch_sampler)
+    return map(np.ndarray.tobytes, arrays)
 
 
 class Epoch:
@@ -97,7 +109,7 @@ class Schedule:
         skip, self._resume_skip = self._resume_skip, 0
         length = len(self._sampler) if hasattr(self._sampler, "__len__") else None
         start_state = self._sampler_state()
-        batches = ((i, encode_keys(keys)) for i, keys in enumerate(self._sampler))
+        batches = enumerate(_encoded_batches(self._sampler))
         for _ in range(skip):
             next(batches, None)
         return Epoch(number, length, start_state, batches, skip, self._sampler_state)

@@ -70,6 +70,13 @@ class SequentialSampler(Sampler):
     def __iter__(self) -> Iterator[int]:
         return iter(range(self._start, self._start + self._length))
 
+    def _fits_int64(self) -> bool:
+        return _INT64_MIN <= self._start and self._start + self._length - 1 <= _INT64_MAX
+
+    def _indices(self) -> np.ndarray:
+        """One epoch's indices as an int64 array (see `_fits_int64`)."""
+        return np.arange(self._start, self._start + self._length, dtype=np.int64)
+
     def __len__(self) -> int:
         return self._length
 
@@ -93,9 +100,13 @@ class RandomSampler(Sampler):
         self._epoch = 0
 
     def __iter__(self) -> Iterator[int]:
+        return iter(self._indices().tolist())
+
+    def _indices(self) -> np.ndarray:
+        """One epoch's indices as an int64 array; advances to the next epoch as iterating does."""
         rng = np.random.default_rng([self._seed, self._epoch])
         self._epoch += 1
-        return iter(rng.permutation(self._length).tolist())
+        return rng.permutation(self._length).astype(np.int64, copy=False)
 
     def __len__(self) -> int:
         return self._length
@@ -211,6 +222,35 @@ class BatchSampler(Sampler):
             elif self._last_batch == "rollover":
                 self._prev = batch
 
+    def _index_batches(self) -> Iterator[np.ndarray] | None:
+        """The epoch's batches as int64 arrays, exactly as iterating yields them (and with the
+        same effect on the samplers' state), without a Python int per index; None unless both
+        this sampler and its inner one are this module's own, which make an epoch as one array."""
+        sampler = self._sampler
+        if type(self).__iter__ is not BatchSampler.__iter__ or type(sampler).__iter__ not in _ARRAY_EPOCHS:
+            return None
+        if isinstance(sampler, SequentialSampler) and not sampler._fits_int64():
+            return None
+        prev = np.asarray(self._prev)
+        if prev.size and (prev.ndim != 1 or prev.dtype.kind not in "iu" or prev.dtype == np.uint64):
+            return None  # a carried-over batch of other keys (from load_state_dict): iterate
+        return self._array_batches(sampler, prev.astype(np.int64))
+
+    def _array_batches(self, sampler: Any, prev: np.ndarray) -> Iterator[np.ndarray]:
+        self._prev = []
+        order = sampler._indices()
+        if prev.size:
+            order = np.concatenate([prev, order])
+        size = self._batch_size
+        full = len(order) - len(order) % size
+        for start in range(0, full, size):
+            yield order[start:start + size]
+        if full < len(order):
+            if self._last_batch == "keep":
+                yield order[full:]
+            elif self._last_batch == "rollover":
+                self._prev = order[full:].tolist()
+
     def __len__(self) -> int:
         total = len(self._sampler)
         if self._last_batch == "keep":
@@ -228,6 +268,8 @@ class BatchSampler(Sampler):
         if hasattr(self._sampler, "load_state_dict"):
             self._sampler.load_state_dict(state["sampler"])
 
+
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 _DISTRIBUTED_MODES = ("pad", "discard", "keep")
 
@@ -292,17 +334,22 @@ class DistributedSampler(Sampler):
         return self._length // self._num_replicas
 
     def __iter__(self) -> Iterator[int]:
+        return iter(self._indices().tolist())
+
+    def _indices(self) -> np.ndarray:
+        """This rank's indices of the epoch as an int64 array."""
         if self._shuffle:
             order = np.random.default_rng([self._seed, self._epoch]).permutation(self._length)
         else:
             order = np.arange(self._length)
+        order = order.astype(np.int64, copy=False)
         if self._last_batch == "keep":
-            return iter(order[self._rank::self._num_replicas].tolist())
+            return order[self._rank::self._num_replicas]
         total = len(self) * self._num_replicas
         if total > self._length:
             order = np.resize(order, total)  # np.resize repeats from the front
         order = order[:total]
-        return iter(order[self._rank::self._num_replicas].tolist())
+        return order[self._rank::self._num_replicas]
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self._seed, "epoch": self._epoch}
@@ -310,3 +357,7 @@ class DistributedSampler(Sampler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._seed = int(state["seed"])
         self._epoch = int(state["epoch"])
+
+
+# Samplers whose epoch `BatchSampler._index_batches` takes as one array (their `_indices()`).
+_ARRAY_EPOCHS = (SequentialSampler.__iter__, RandomSampler.__iter__, DistributedSampler.__iter__)

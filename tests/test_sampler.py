@@ -124,3 +124,51 @@ def test_distributed_shuffle_changes_with_epoch_and_matches_across_ranks() -> No
 def test_bad_sampler_arguments_name_the_value(make, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+def _make_inner(kind: str, length: int):
+    if kind == "random":
+        return RandomSampler(length, seed=7)
+    if kind == "sequential":
+        return SequentialSampler(length, start=3)
+    return DistributedSampler(length, num_replicas=3, rank=1, seed=7, last_batch="pad")
+
+
+@given(sizes, batch_sizes, st.sampled_from(["keep", "discard", "rollover"]),
+       st.sampled_from(["random", "sequential", "distributed"]))
+@settings(max_examples=150)
+def test_the_loaders_array_path_sends_the_same_batches_and_keeps_the_same_state(
+        length: int, batch_size: int, last_batch: str, kind: str) -> None:
+    """The schedule takes an epoch of this module's samplers as one index array; over three
+    epochs (rollover carries keys across) it must encode exactly the keys iteration yields."""
+    from gloader._protocol import encode_keys
+    from gloader._schedule import _encoded_batches
+
+    fast = BatchSampler(_make_inner(kind, length), batch_size, last_batch)
+    slow = BatchSampler(_make_inner(kind, length), batch_size, last_batch)
+    for _ in range(3):
+        assert fast._index_batches() is not None
+        assert list(_encoded_batches(fast)) == [encode_keys(keys) for keys in slow]
+        assert fast.state_dict() == slow.state_dict()
+
+
+def test_samplers_of_other_kinds_keep_their_own_iteration() -> None:
+    """A subclass that overrides `__iter__`, a carried-over batch of non-integer keys and
+    indices beyond int64 are iterated, not taken as an array."""
+    from gloader._protocol import decode_keys
+    from gloader._schedule import _encoded_batches
+
+    class Evens(RandomSampler):
+        def __iter__(self):
+            return iter(range(0, 2 * len(self), 2))
+
+    assert BatchSampler(Evens(6), 4)._index_batches() is None
+    assert [list(keys) for keys in BatchSampler(Evens(6), 4)] == [[0, 2, 4, 6], [8, 10]]
+    carried = BatchSampler(SequentialSampler(5), 4, "rollover")
+    carried.load_state_dict({"prev": ["a", "b"], "sampler": {}})
+    assert carried._index_batches() is None
+    assert list(_encoded_batches(carried)) == [["a", "b", 0, 1]]
+    assert carried.state_dict()["prev"] == [2, 3, 4]
+    huge = BatchSampler(SequentialSampler(3, start=2**63 - 2), 2)
+    assert huge._index_batches() is None
+    assert [decode_keys(keys) for keys in _encoded_batches(huge)] == [[2**63 - 2, 2**63 - 1], [2**63]]
