@@ -291,6 +291,8 @@ class Engine:
 
     def fill(self, next_job: Callable[[], Job | None]) -> None:
         """Dispatch jobs from `next_job` until the window is full or it has none."""
+        if len(self._tasks) >= self._config.prefetch:
+            return  # called after every batch collected: usually the window is still full
         backend = self._running()
         slots = backend.slots
         per_task = self.batches_per_task()

@@ -165,7 +165,10 @@ def _make_queue_class() -> Any:
                 return _ForkingPickler.loads(data)
 
             def put(self, obj: Any) -> None:
-                data = _ForkingPickler.dumps(obj)
+                try:  # a result (ids and bytes): the stdlib pickler takes 0.3 us, dill's 10
+                    data: Any = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception:
+                    data = _ForkingPickler.dumps(obj)
                 if self._wlock is None:
                     self._writer.send_bytes(data)
                     return
