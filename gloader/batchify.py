@@ -65,7 +65,7 @@ def _numeric_kind(items: Sequence[Any]) -> torch.dtype:
 
 def _plan_scalars(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     out_dtype = dtype or _numeric_kind(items)
-    values = list(items)
+    values = items if isinstance(items, (list, tuple)) else list(items)
 
     def fill(out: torch.Tensor) -> None:
         try:
@@ -107,7 +107,7 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
                     row.copy_(t)
 
         return Leaf((len(tensors),) + tuple(tensors[0].shape), out_dtype, fill_tensors)
-    arrays: list[Any] = list(items) if kinds == {np.ndarray} else [np.asarray(item) for item in items]
+    arrays: Sequence[Any] = items if kinds == {np.ndarray} else [np.asarray(item) for item in items]
     first_shape = arrays[0].shape
     # Concatenating n arrays of shape (d0, ...) into the memory of the stack seen as
     # (n * d0, ...) writes the same bytes with ~3x less overhead than np.stack(out=). numpy
@@ -175,11 +175,13 @@ def _plan_default(samples: Sequence[Any]) -> Any:
                                  f"{list(sample.keys()) if isinstance(sample, Mapping) else type(sample).__name__}")
         return {key: _plan_default([sample[key] for sample in samples]) for key in keys}
     if isinstance(first, Sequence):
-        lengths = set(map(len, samples))
-        if len(lengths) != 1:
+        try:
+            columns = list(zip(*samples, strict=True))  # checks the lengths as it goes, at C speed
+        except ValueError:
+            lengths = set(map(len, samples))
             raise ValueError(f"sequence samples of one batch must have the same length, got lengths "
-                             f"{sorted(lengths)}")
-        fields = [_plan_default(list(field)) for field in zip(*samples)]
+                             f"{sorted(lengths)}") from None
+        fields = [_plan_default(column) for column in columns]
         return type(first)(*fields) if hasattr(first, "_fields") else fields  # a namedtuple stays one
     return Opaque(list(samples))
 

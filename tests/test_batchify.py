@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections.abc
+import re
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,13 @@ def test_default_recurses_into_tuples_and_dicts() -> None:
     out = default_batchify_fn([(np.array([1]), {"k": 1.5, "s": "a"}), (np.array([2]), {"k": 2.5, "s": "b"})])
     assert isinstance(out, list) and out[0].tolist() == [[1], [2]]
     assert out[1]["k"].tolist() == [1.5, 2.5] and out[1]["s"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("samples, lengths", [([(1, 2), (3,)], "[1, 2]"), ([(1,), (2, 3), (4,)], "[1, 2]"),
+                                              ([[1, 2], [3, 4, 5]], "[2, 3]")])
+def test_default_rejects_sequence_samples_of_different_lengths(samples: list, lengths: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"same length, got lengths {lengths}")):
+        default_batchify_fn(samples)
 
 
 @pytest.mark.parametrize("second", [np.zeros(3), np.zeros((2, 4)), np.zeros(2), np.zeros((2, 3, 1)), np.zeros((3, 3))],
