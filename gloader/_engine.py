@@ -35,6 +35,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterator, NamedTuple
 
+from ._mppool import ATOMIC_TASK_BYTES
 from ._options import LoaderConfig
 from ._pool import PoolCore
 from ._protocol import (
@@ -80,15 +81,28 @@ _HELD_WITH_DESCRIPTOR = 4
 # (apply_async, the pool's task and result threads, two pipe hops, each a thread wake-up
 # under the GIL: ~0.1-0.2 ms of the caller's CPU) is shared. A task carries as many
 # consecutive batches of one epoch as the workers load in about _TASK_TARGET_S, measured on
-# the batches so far, at most _MAX_BATCHES_PER_TASK and at most _TASK_BYTES of batch data.
+# the batches so far, at most _MAX_BATCHES_PER_TASK, at most _TASK_BYTES of batch data, and
+# keys that keep the task message small enough for a worker to take it whole
+# (_mppool.ATOMIC_TASK_BYTES; a task that exceeds it, one huge batch, is read in pieces).
 # The window then holds `prefetch` tasks. Longer target: less overhead per batch; shorter:
 # sooner first batches after a change and less memory in flight. Batches that take longer
 # than the target, or streams, go one to a task.
 _TASK_TARGET_S = 0.005
 _MAX_BATCHES_PER_TASK = 16
 _TASK_BYTES = 1 << 20
+# The sample keys a task message may carry (room left for the rest of the message), and
+# what a key that is not part of an int64 array is taken to need.
+_TASK_KEY_BYTES = ATOMIC_TASK_BYTES - 2048
+_GUESSED_KEY_BYTES = 64
 # Weight of the newest batch in the running estimate of a batch's cost and size.
 _ESTIMATE_WEIGHT = 0.2
+
+
+def _key_bytes(work: Any) -> int:
+    """About what a job's work adds to its task message."""
+    if isinstance(work, bytes):
+        return len(work) + 32
+    return _GUESSED_KEY_BYTES * len(work) if isinstance(work, list) else _GUESSED_KEY_BYTES
 
 
 class Collected(NamedTuple):
@@ -301,11 +315,13 @@ class Engine:
             if first is None:
                 return
             jobs = [first]
+            key_bytes = _key_bytes(first.work)
             while len(jobs) < per_task and not isinstance(first.work, StreamRequest):
                 job = next_job()
                 if job is None:
                     break
-                if job.epoch != first.epoch:  # a task never spans two epochs
+                key_bytes += _key_bytes(job.work)
+                if job.epoch != first.epoch or key_bytes > _TASK_KEY_BYTES:  # a task never spans two epochs
                     self._held = job
                     break
                 jobs.append(job)

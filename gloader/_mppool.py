@@ -12,16 +12,21 @@ import termios
 import time
 from typing import Any
 
-__all__ = ["ProcessLock", "make_pool_class"]
+__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "make_pool_class"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
-# has arrived (see _take_message); larger ones (tasks of tens of thousands of non-integer
-# keys) are read in pieces as before. Must stay under the socket's send buffer (208 KiB by
-# default on Linux), or a waiting reader would wait forever for the rest.
-_ATOMIC_BYTES = 128 * 1024
+# has arrived (see _take_message); larger ones are read in pieces. The socket holds only so
+# much of a message its reader has not taken: with Linux's default 208 KiB send buffer, a
+# 117 KB message stopped at 110 KB (the writer waits for room, the reader for the rest),
+# 112 KB always fitted. Half of that leaves margin for other kernels; the engine keeps the
+# tasks it groups under it (TASK_MESSAGE_BYTES).
+ATOMIC_TASK_BYTES = 64 * 1024
 # How long a reader sleeps while the rest of a message it has seen the start of is written.
 _ARRIVAL_POLL_S = 50e-6
+# A message whose arrival has not grown for this long does not fit in the socket (the writer
+# waits for room): it is read in pieces, as larger ones are, rather than waited for forever.
+_STALLED_S = 0.02
 
 
 def _available(sock: socket.socket) -> int:
@@ -33,7 +38,9 @@ def _available(sock: socket.socket) -> int:
 def _take_message(sock: socket.socket) -> bytes | memoryview:
     """One message of the pool's framing (a 4-byte size, or -1 and an 8-byte size, then the
     bytes) taken whole by a single read, so that a reader killed at any point leaves the
-    stream at a message boundary: it only peeks until the whole message is there."""
+    stream at a message boundary: it only peeks until the whole message is there. Messages
+    over ATOMIC_TASK_BYTES, and any that stops arriving before it is whole (the socket is
+    full), are read in pieces instead."""
     while True:
         head = sock.recv(12, socket.MSG_PEEK)
         if not head:
@@ -48,20 +55,31 @@ def _take_message(sock: socket.socket) -> bytes | memoryview:
                 break
         time.sleep(_ARRIVAL_POLL_S)
     total = header + size
-    if total > _ATOMIC_BYTES:  # cannot wait for all of it: read in pieces (not kill-safe)
-        data = bytearray()
-        while len(data) < total:
-            chunk = sock.recv(total - len(data))
-            if not chunk:
-                raise EOFError("the task socket was closed")
-            data += chunk
-        return memoryview(data)[header:]
-    while _available(sock) < total:
+    if total > ATOMIC_TASK_BYTES:
+        return _read_in_pieces(sock, total, header)
+    arrived, since = _available(sock), time.monotonic()
+    while arrived < total:
         time.sleep(_ARRIVAL_POLL_S)
+        now = _available(sock)
+        if now > arrived:
+            arrived, since = now, time.monotonic()
+        elif time.monotonic() - since > _STALLED_S:
+            return _read_in_pieces(sock, total, header)  # it does not fit: waiting would never end
     whole = sock.recv(total)  # all of it is there: one read takes it whole
     if len(whole) != total:  # pragma: no cover - the kernel returns what is queued, up to total
         raise OSError(f"read {len(whole)} of a {total}-byte task message")
     return memoryview(whole)[header:]
+
+
+def _read_in_pieces(sock: socket.socket, total: int, header: int) -> memoryview:
+    """Read a message as it arrives (a reader killed in the middle leaves part of it)."""
+    data = bytearray()
+    while len(data) < total:
+        chunk = sock.recv(total - len(data))
+        if not chunk:
+            raise EOFError("the task socket was closed")
+        data += chunk
+    return memoryview(data)[header:]
 
 
 class ProcessLock:

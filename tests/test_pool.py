@@ -170,3 +170,41 @@ def test_a_task_reader_killed_mid_message_leaves_the_whole_task_for_the_next_rea
             if end is not None:
                 end.close()
         tasks._rlock.close()
+
+
+@pytest.mark.parametrize("atomic_bytes", [None, 1 << 20], ids=["default", "waits-for-whole-messages-up-to-1MiB"])
+def test_a_task_larger_than_the_socket_holds_reaches_its_reader_whole(tmp_path, monkeypatch, atomic_bytes) -> None:
+    """A reader that waits for a whole task before taking it would wait forever for one the
+    socket cannot hold (the writer waits for room): such a task is read in pieces."""
+    import threading
+
+    import multiprocess
+
+    from gloader import _mppool
+
+    if atomic_bytes is not None:
+        monkeypatch.setattr(_mppool, "ATOMIC_TASK_BYTES", atomic_bytes)
+    ctx = multiprocess.get_context("fork")
+    tasks = _mppool._make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
+    task = ("task", bytes(range(256)) * 1200)  # ~300 KB, more than a socket holds by default
+    writer = threading.Thread(target=tasks._writer.send_bytes, args=(_mppool.pickle.dumps(task),), daemon=True)
+    writer.start()
+    try:
+        assert tasks.get() == task
+        writer.join(10.0)
+        assert not writer.is_alive()
+    finally:
+        for end in (tasks._reader, tasks._writer, tasks._socket):
+            if end is not None:
+                end.close()
+        tasks._rlock.close()
+
+
+def test_tasks_of_large_cheap_batches_are_grouped_without_stalling_the_pool() -> None:
+    """Batches of 900 cheap samples each are grouped many to a task; their keys (7.2 KB a
+    batch) once made task messages larger than the task socket holds (~115 KB), and the pool
+    stalled until the timeout."""
+    with DataLoader(list(range(180_000)), batch_size=900, shuffle=True, num_workers=2, timeout=20) as loader:
+        for _ in range(3):
+            seen = torch.cat(list(loader)).tolist()
+            assert sorted(seen) == list(range(180_000))
