@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import gc
+import os
+import platform
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 import torch
 
 import gloader
-from gloader import DataLoader, WorkerPool
+from gloader import DataLoader, WorkerPool, _worker
 from tests import _data
 
 pytestmark = pytest.mark.timeout(60)
@@ -208,3 +213,39 @@ def test_tasks_of_large_cheap_batches_are_grouped_without_stalling_the_pool() ->
         for _ in range(3):
             seen = torch.cat(list(loader)).tolist()
             assert sorted(seen) == list(range(180_000))
+
+
+_SCHED_GETATTR = {"x86_64": 315, "aarch64": 275}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() not in _SCHED_GETATTR,
+                    reason="sched_getattr is read on Linux x86_64/aarch64 only")
+def test_process_workers_ask_for_a_longer_time_slice_and_keep_their_nice_value() -> None:
+    """Oversubscribed CPU-bound workers switch less often with a longer slice; the request
+    must not reset the nice value they inherit (a `nice`d training script stays niced)."""
+    script = textwrap.dedent(f"""
+        import ctypes, os, struct
+        import gloader
+
+        class Scheduling:
+            def __len__(self):
+                return 1
+
+            def __getitem__(self, index):
+                attr = ctypes.create_string_buffer(56)
+                ctypes.CDLL(None).syscall(ctypes.c_long({_SCHED_GETATTR[platform.machine()]}), ctypes.c_long(0), attr,
+                                          ctypes.c_long(56), ctypes.c_long(0))
+                size, policy, flags, nice, priority, runtime = struct.unpack("IIQiIQQQII", attr.raw)[:6]
+                return policy, nice, runtime, os.getpriority(os.PRIO_PROCESS, 0)
+
+        with gloader.DataLoader(Scheduling(), batch_size=1, num_workers=1) as loader:
+            print(*[int(field) for field in next(iter(loader))])
+        """)
+    done = subprocess.run(["nice", "-n", "5", sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    policy, nice, runtime, priority = map(int, done.stdout.split())
+    assert (policy, nice, priority) == (os.SCHED_OTHER, 5, 5)
+    if runtime == 0:
+        pytest.skip("this kernel does not report time slices (custom slices need Linux 6.12+)")
+    assert runtime == _worker._WORKER_SLICE_NS
