@@ -254,14 +254,13 @@ def _scaling_rounds(rounds: int) -> int:
 
 
 def _measure_scaling(work: Workload, dataset: Any, rounds: int, progress: _Progress) -> dict[str, Any]:
-    """Samples/s of gloader and torch with 1, 2 and 4 workers (persistent), interleaved."""
-    out: dict[str, Any] = {}
-    for workers in _SCALING_WORKERS:
-        loaders = {"gloader": _gloader(dataset, work.batch_size, workers),
-                   "torch": _torch(dataset, work.batch_size, workers)}
-        times = _time_rounds(loaders, work, _scaling_rounds(rounds), progress, f"{work.name} scaling nw={workers}")
-        out[str(workers)] = {k: [work.batches * work.batch_size / t for t in v] for k, v in times.items()}
-    return out
+    """Samples/s of gloader and torch with 1, 2 and 4 workers (persistent), all six loaders
+    taking turns in every round, so that the machine's drift does not fall on one column."""
+    loaders = {f"{name} nw={workers}": (_gloader if name == "gloader" else _torch)(dataset, work.batch_size, workers)
+               for workers in _SCALING_WORKERS for name in ("gloader", "torch")}
+    times = _time_rounds(loaders, work, _scaling_rounds(rounds), progress, f"{work.name} scaling")
+    return {str(workers): {name: [work.batches * work.batch_size / t for t in times[f"{name} nw={workers}"]]
+                           for name in ("gloader", "torch")} for workers in _SCALING_WORKERS}
 
 
 def _measure_latency(rounds: int, epochs: int, progress: _Progress) -> dict[str, Any]:
