@@ -51,15 +51,16 @@ _PARENT_POLL_S = 0.2
 # samples; smaller: less memory retained by an idle worker (at most its peak heap).
 _MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit
 _MALLOC_TRIM_THRESHOLD_BYTES = 256 << 20
-# The time slice process workers ask the scheduler for (Linux 6.12+ honours a normal task's
-# own slice; older kernels and other systems keep theirs). With more CPU-bound workers than
-# cores, the scheduler switches between them every slice (~3 ms by default) and each switch
-# refills the caches: W8 with 4 workers on 2 cores took 44-47 involuntary switches and
-# 170-175 ms of worker CPU per batch, against 6 and 155-163 ms with 2 workers (8-10% fewer
-# samples/s); with 20 ms, 15 switches and 159-165 ms (within 2% of 2 workers). Only the
-# slice grows, not the share: the caller, waking with its shorter slice, still runs first.
-# Larger: fewer switches between oversubscribed workers; smaller: each worker's batches
-# finish more evenly when they share a core.
+# The time slice process workers ask the scheduler for when a pool has more workers than
+# the CPUs it may use (Linux 6.12+ honours a normal task's own slice; older kernels and
+# other systems keep theirs). Oversubscribed CPU-bound workers are switched every slice
+# (~1.4-3 ms by default) and each switch refills the caches: W8 with 4 workers on 2 cores
+# took 44-47 involuntary switches and 170-175 ms of worker CPU per batch, against 6 and
+# 155-163 ms with 2 workers (8-10% fewer samples/s); with 20 ms, 15 switches and 159-165 ms
+# (within 2% of 2 workers). The price is in the caller's rare wake-up delays: a 2 ms sleep
+# overshot by at most 9 ms instead of 4-5 (median and p90 unchanged), which is why pools
+# that fit their CPUs keep the default. Larger: fewer switches between oversubscribed
+# workers; smaller: shorter worst-case delays for the caller's threads.
 _WORKER_SLICE_NS = 20_000_000
 # struct sched_attr as sched_setattr(2) takes it (its first, 56-byte version), and the
 # system call's number where gloader asks for the slice.
@@ -382,7 +383,8 @@ def _prepare_process(spec: PoolSpec) -> None:
     torch.set_num_threads(1)  # one worker, one core: intra-op threads only contend
     close_inherited_segments()  # under fork: the caller's, which must not live on in this worker
     _keep_freed_memory()
-    _lengthen_time_slice()
+    if _oversubscribes(spec.num_workers):
+        _lengthen_time_slice()
     # Under fork, the caller's objects are shared copy-on-write; a full collection in this
     # worker would write the GC header of every inherited container and copy its page.
     # Freezing moves them out of the collector's reach (O(1), no object touched).
@@ -404,6 +406,12 @@ def _keep_freed_memory() -> None:
         libc.mallopt(-1, _MALLOC_TRIM_THRESHOLD_BYTES)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: keep the platform's allocator as it is
+
+
+def _oversubscribes(num_workers: int) -> bool:
+    """Whether a pool of `num_workers` processes has more of them than CPUs to run on."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return num_workers > usable
 
 
 def _lengthen_time_slice() -> None:

@@ -220,9 +220,11 @@ _SCHED_GETATTR = {"x86_64": 315, "aarch64": 275}
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() not in _SCHED_GETATTR,
                     reason="sched_getattr is read on Linux x86_64/aarch64 only")
-def test_process_workers_ask_for_a_longer_time_slice_and_keep_their_nice_value() -> None:
-    """Oversubscribed CPU-bound workers switch less often with a longer slice; the request
-    must not reset the nice value they inherit (a `nice`d training script stays niced)."""
+def test_oversubscribed_workers_ask_for_a_longer_time_slice_and_keep_their_nice_value() -> None:
+    """Workers beyond the CPUs switch less often with a longer slice; pools that fit their
+    CPUs keep the default (shorter wake-up delays for the caller); the request must not reset
+    the nice value the workers inherit (a `nice`d training script stays niced)."""
+    cpus = len(os.sched_getaffinity(0))
     script = textwrap.dedent(f"""
         import ctypes, os, struct
         import gloader
@@ -238,14 +240,17 @@ def test_process_workers_ask_for_a_longer_time_slice_and_keep_their_nice_value()
                 size, policy, flags, nice, priority, runtime = struct.unpack("IIQiIQQQII", attr.raw)[:6]
                 return policy, nice, runtime, os.getpriority(os.PRIO_PROCESS, 0)
 
-        with gloader.DataLoader(Scheduling(), batch_size=1, num_workers=1) as loader:
-            print(*[int(field) for field in next(iter(loader))])
+        for workers in (1, {cpus + 1}):
+            with gloader.DataLoader(Scheduling(), batch_size=1, num_workers=workers) as loader:
+                print(*[int(field) for field in next(iter(loader))])
         """)
     done = subprocess.run(["nice", "-n", "5", sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr
-    policy, nice, runtime, priority = map(int, done.stdout.split())
-    assert (policy, nice, priority) == (os.SCHED_OTHER, 5, 5)
-    if runtime == 0:
+    fitting, oversubscribed = [tuple(map(int, line.split())) for line in done.stdout.splitlines()]
+    for policy, nice, _, priority in (fitting, oversubscribed):
+        assert (policy, nice, priority) == (os.SCHED_OTHER, 5, 5)
+    if oversubscribed[2] == 0:
         pytest.skip("this kernel does not report time slices (custom slices need Linux 6.12+)")
-    assert runtime == _worker._WORKER_SLICE_NS
+    assert oversubscribed[2] == _worker._WORKER_SLICE_NS
+    assert fitting[2] != _worker._WORKER_SLICE_NS
