@@ -167,6 +167,7 @@ def _make_queue_class() -> Any:
                     self._wlock = ProcessLock(os.path.join(lock_dir, f"{name}.write.lock"))
                 self.atomic_reads = atomic_reads
                 self._socket: socket.socket | None = None
+                self._creator = os.getpid()  # the caller; a worker that inherits the queue differs
 
             def __reduce__(self) -> Any:  # for spawned workers: rebuilt by a module-level function
                 context.assert_spawning(self)
@@ -187,11 +188,18 @@ def _make_queue_class() -> Any:
                     data: Any = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
                 except Exception:
                     data = _ForkingPickler.dumps(obj)
-                if self._wlock is None:
-                    self._writer.send_bytes(data)
-                    return
-                with self._wlock:
-                    self._writer.send_bytes(data)
+                try:
+                    if self._wlock is None:
+                        self._writer.send_bytes(data)
+                        return
+                    with self._wlock:
+                        self._writer.send_bytes(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    if os.getpid() == self._creator:
+                        raise
+                    # A worker whose caller is gone (killed): nobody will read this result,
+                    # and the pool's worker loop would print a traceback for each one.
+                    os._exit(0)
 
         _TrackedQueue = TrackedQueue
     return _TrackedQueue
@@ -205,7 +213,7 @@ def _rebuild_queue(state: Any, atomic_reads: bool) -> Any:
     queue = cls.__new__(cls)
     (queue._reader, queue._writer, queue._rlock, queue._wlock) = state
     queue._poll = queue._reader.poll
-    queue.atomic_reads, queue._socket = atomic_reads, None
+    queue.atomic_reads, queue._socket, queue._creator = atomic_reads, None, None
     return queue
 
 

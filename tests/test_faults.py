@@ -240,6 +240,27 @@ def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path, start_me
     assert dev_shm_names() - names_before == set()
 
 
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers_of_a_caller_killed_mid_epoch_exit_without_printing_tracebacks(tmp_path, start_method: str) -> None:
+    """Busy workers find the result pipe broken when the caller dies; they exit quietly
+    rather than print a BrokenPipeError traceback per worker into the terminal."""
+    with _run_script(tmp_path, f"""
+        loader = DataLoader(_data.SlowEverySample(0.002, 100_000), batch_size=4, num_workers=2,
+                            start_method={start_method!r})
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        print(" ".join(map(str, loader.worker_pids())), flush=True)
+        time.sleep(60)
+        """) as proc:
+        pids = [int(p) for p in _wait_line(proc).split()]
+        proc.kill()  # the workers keep loading the window's batches, then write them to nobody
+        proc.wait(10)
+        assert _gone(pids, 5.0)
+        stderr = proc.stderr.read()  # the workers' stderr too: it is inherited
+    assert "Traceback" not in stderr, stderr
+
+
 @pytest.mark.parametrize("start_method, sig", [("fork", signal.SIGKILL), ("fork", signal.SIGTERM),
                                                ("spawn", signal.SIGKILL)])
 def test_killing_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path, start_method: str, sig) -> None:
