@@ -66,7 +66,9 @@ def test_a_hung_worker_on_a_shared_pool_is_replaced_after_the_timeout() -> None:
 def test_a_hang_inside_a_task_of_several_batches_times_out_naming_them_and_the_worker_is_replaced(tmp_path) -> None:
     flag = tmp_path / "hang"
     with WorkerPool(2) as pool:
-        dataset = _data.SleepsWhenFlagged(str(flag), slow=131, seconds=60.0, length=200)
+        # Sample 1001 (batch 500) lies beyond what the loader dispatches of epoch 1 while epoch 0
+        # ends (its window of tasks of up to 32 batches), so it is loaded after the flag is set.
+        dataset = _data.SleepsWhenFlagged(str(flag), slow=1001, seconds=60.0, length=2000)
         with DataLoader(dataset, batch_size=2, pool=pool, timeout=1.0) as loader:
             list(loader)  # fast: the loader measures its batches, and later tasks carry several
             assert loader._engine.batches_per_task() > 1
@@ -75,7 +77,7 @@ def test_a_hang_inside_a_task_of_several_batches_times_out_naming_them_and_the_w
             with pytest.raises(gloader.BatchTimeoutError, match=r"batches (\d+)-(\d+), loaded as one task, of epoch 1") as info:
                 list(loader)
             first, last = (int(n) for n in re.search(r"batches (\d+)-(\d+)", str(info.value)).groups())
-            assert first <= 65 <= last  # sample 131 is in batch 65
+            assert first <= 500 <= last
         assert wait_until(lambda: len(set(pool.worker_pids()) - before) == 1, 5.0)  # the stuck worker was replaced
         with DataLoader(np.arange(8), batch_size=2, pool=pool, timeout=10) as other:
             assert torch.cat(list(other)).tolist() == list(range(8))
