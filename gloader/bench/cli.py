@@ -191,9 +191,9 @@ def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str
 
     workloads = [
         Workload("W1", "tiny float32[16]+int, batch 256", lambda: TinyDataset(200_000), 256, 16 * 4 + 8,
-                 int(300 * scale) or 30, 160),
+                 int(1000 * scale) or 100, 160),
         Workload("W2", "images uint8 224x224x3+int, batch 64", lambda: ImageDataset(20_000), 64,
-                 224 * 224 * 3 + 8, int(150 * scale) or 15, 150 if scale == 1.0 else 15),
+                 224 * 224 * 3 + 8, int(400 * scale) or 40, 150 if scale == 1.0 else 15),
         Workload("W3", "CPU-bound ~0.5 ms/sample, batch 32", lambda: CpuBoundDataset(20_000, size), 32, 64 * 4 + 8,
                  int(100 * scale) or 10, 10),
         Workload("W8", "ImageFolder JPEGs, decode + crop/flip/normalize, batch 64", jpegs, 64,
