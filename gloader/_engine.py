@@ -5,12 +5,14 @@ The whole flow, with who runs each step::
     caller's thread (or its pin thread)          worker (process, thread, or in-process)
     -----------------------------------          ---------------------------------------
     Schedule.next_job(epoch) -> Job(epoch, i, seed, keys)                     (_schedule)
-    Engine.fill: a task of 1-16 consecutive jobs (more when batches are small and quick);
+    Engine.fill: a task of 1-32 consecutive jobs (more when batches are small and quick);
         SlotPool.acquire(n) -> a free slot (memfd); submit run_task(loader id, epoch,
         ((i, seed, keys), ...), slot)     ->  WorkerState: registry[loader id]       (_worker)
                                                per batch: load_batch: dataset[k] for k
                                                in keys -> batchify plan -> write into
                                                the slot after the one before (shm)  (_fetch)
+                                               (large samples, default batchify: each
+                                               written into the slot as it comes) (_rows)
                                           <-  [Loaded(handle) | ShardEnd | WorkerFailure, ...]
     ... up to `prefetch` tasks in flight, across the end of an epoch into the next ...
     Engine.collect: wait for the oldest task (in short slices: worker exit codes, the

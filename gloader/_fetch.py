@@ -14,9 +14,10 @@ import time
 from typing import Any, Callable, Protocol
 
 from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
+from ._rows import load_rows
 from ._transport import SlotMaps, SlotSpace, pack_batch
 from ._tree import arrays_to_tensors
-from .batchify import plan_batch
+from .batchify import default_batchify_fn, plan_batch
 
 __all__ = ["BatchWriter", "Cursor", "DirectWriter", "SharedMemoryWriter", "load_batch"]
 
@@ -53,10 +54,22 @@ class SharedMemoryWriter:
         self._written = 0
 
     def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], space: SlotSpace | None) -> Any:
+        self._count_batch()
+        return pack_batch(plan_batch(batchify_fn, samples), space, self.maps)
+
+    def load_rows(self, load: Callable[[Any], Any], keys: list[Any], space: SlotSpace | None,
+                  cursor: Cursor) -> tuple[Any, list[Any] | None]:
+        """Fetch and write a batch row by row (see `_rows.load_rows`): its handle, or None
+        and the samples for `write`."""
+        handle, samples = load_rows(load, keys, space, self.maps, cursor.set)
+        if handle is not None:
+            self._count_batch()
+        return handle, samples
+
+    def _count_batch(self) -> None:
         self._written += 1
         if self._written % _PRUNE_EVERY_BATCHES == 0:
             self.maps.prune()  # give back the memory of slots the caller has retired
-        return pack_batch(plan_batch(batchify_fn, samples), space, self.maps)
 
 
 class Cursor:
@@ -66,6 +79,9 @@ class Cursor:
 
     def __init__(self) -> None:
         self.key: Any = None
+
+    def set(self, key: Any) -> None:
+        self.key = key
 
 
 def _fetch_samples(dataset: Any, keys: list[Any], cursor: Cursor) -> list[Any]:
@@ -119,7 +135,19 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: 
         if samples is None or (len(samples) < work.batch_size and not work.keep_last):
             return ShardEnd(worker_id)
     else:
-        samples = _fetch_samples(registration.dataset, decode_keys(work), cursor)
+        keys = decode_keys(work)
+        dataset = registration.dataset
+        if (registration.batchify_fn is default_batchify_fn and isinstance(writer, SharedMemoryWriter)
+                and keys and getattr(dataset, "__getitems__", None) is None):
+            # Large samples go straight into the slot as they come (see _rows); the fetch
+            # time then includes their copies.
+            handle, rest = writer.load_rows(dataset.__getitem__, keys, space, cursor)
+            if handle is not None:
+                finished = time.monotonic()
+                return Loaded(handle, finished - started, 0.0, worker_id, started, finished)
+            samples = rest or []
+        else:
+            samples = _fetch_samples(dataset, keys, cursor)
     fetched = time.monotonic()
     batch = writer.write(registration.batchify_fn, samples, space)
     finished = time.monotonic()

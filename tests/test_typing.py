@@ -14,11 +14,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # gloader's modules from the bottom up; a module may import only from layers before its own.
 # The caller-side core reads top-down: loader -> _iterator -> _engine -> _schedule/_options ->
-# _pool -> _worker -> _fetch -> the supporting modules.
+# _pool -> _worker -> _fetch -> _rows -> the supporting modules.
 LAYERS = [
     {"_checks", "_math", "_mppool", "_protocol", "_seed", "_tree", "_stats"},
     {"_registry", "_transport", "batchify", "sampler", "_device"},
-    {"dataset", "_payload", "_fetch"},
+    {"dataset", "_payload", "_rows"},
+    {"_fetch"},
     {"_worker"},
     {"_pool"},
     {"_options", "_schedule"},
