@@ -111,7 +111,8 @@ def _fits(first: Any) -> bool:
     array_bytes = 0
     for field in fields:
         if type(field) is np.ndarray:
-            if field.dtype.hasobject or field.dtype.kind in "USV" or as_torch_dtype(field.dtype) is None:
+            dtype = field.dtype
+            if dtype.hasobject or dtype.kind in "USV" or not dtype.isnative or as_torch_dtype(dtype) is None:
                 return False
             array_bytes += field.nbytes
         elif type(field) not in _SCALARS:

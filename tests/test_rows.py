@@ -89,8 +89,9 @@ def test_a_sample_that_differs_hands_every_sample_back_unchanged(odd, slot_pool)
 
 
 @pytest.mark.parametrize("make", [lambda i: (np.zeros(16, np.float32), i), lambda i: ("text", _image(i)),
-                                  lambda i: {"image": _image(i)}, lambda i: (_image(i).astype(object), i)],
-                         ids=["small", "string", "dict", "objects"])
+                                  lambda i: {"image": _image(i)}, lambda i: (_image(i).astype(object), i),
+                                  lambda i: (_image(i).astype(">f4"), i)],
+                         ids=["small", "string", "dict", "objects", "big-endian"])
 def test_samples_it_does_not_take_are_fetched_for_the_usual_batching(make, slot_pool) -> None:
     pool, maps = slot_pool
     slot = pool.acquire()
