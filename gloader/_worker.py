@@ -56,12 +56,15 @@ _MALLOC_TRIM_THRESHOLD_BYTES = 256 << 20
 # other systems keep theirs). Oversubscribed CPU-bound workers are switched every slice
 # (~1.4-3 ms by default) and each switch refills the caches: W8 with 4 workers on 2 cores
 # took 44-47 involuntary switches and 170-175 ms of worker CPU per batch, against 6 and
-# 155-163 ms with 2 workers (8-10% fewer samples/s); with 20 ms, 15 switches and 159-165 ms
-# (within 2% of 2 workers). The price is in the caller's rare wake-up delays: a 2 ms sleep
-# overshot by at most 9 ms instead of 4-5 (median and p90 unchanged), which is why pools
-# that fit their CPUs keep the default. Larger: fewer switches between oversubscribed
-# workers; smaller: shorter worst-case delays for the caller's threads.
-_WORKER_SLICE_NS = 20_000_000
+# 155-163 ms with 2 workers (8-10% fewer samples/s); with 20 ms, 15 switches and 159-165 ms.
+# Between 10 and 20 ms, fresh loaders measured alone, 4 alternating rounds, 4 workers / 2:
+# W8 0.980 with 10 ms, 0.960 with 20; W3 (16 ms batches) 0.981 and 0.984, and 0.999 against
+# 0.953 with the loaders side by side; longer slices also keep a worker that holds the
+# oldest batch (collected first) waiting longer. The price is in the caller's rare wake-up
+# delays: a 2 ms sleep overshot by at most 7.5-9.4 ms instead of 4-5 (median and p90
+# unchanged), which is why pools that fit their CPUs keep the default. Larger: fewer
+# switches between oversubscribed workers; smaller: shorter worst-case delays.
+_WORKER_SLICE_NS = 10_000_000
 # struct sched_attr as sched_setattr(2) takes it (its first, 56-byte version), and the
 # system call's number where gloader asks for the slice.
 _SCHED_ATTR = struct.Struct("IIQiIQQQII")
