@@ -24,13 +24,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ._math import round_up
-from ._transport import _ALIGN_BYTES as ALIGN_BYTES
-from ._transport import _HEADER_BYTES as HEADER_BYTES
-from ._transport import SlotMaps, SlotSpace
-from ._transport import _encode as encode_plan
-from ._transport import _tensor_at as tensor_at
+from ._transport import _ALIGN_BYTES, _HEADER_BYTES, SlotMaps, SlotSpace, _encode, _tensor_at
 from ._tree import Leaf, as_torch_dtype
-from .batchify import _plan_scalars as plan_scalars
+from .batchify import _plan_scalars
 
 __all__ = ["load_rows"]
 
@@ -60,7 +56,7 @@ class _Layout:
             if type(field) is np.ndarray:
                 self.offsets[index] = total
                 self.arrays[index] = np.ndarray((count,) + field.shape, field.dtype, memory, start + total)
-                total += round_up(count * field.nbytes, ALIGN_BYTES)
+                total += round_up(count * field.nbytes, _ALIGN_BYTES)
             else:
                 self.numbers[index] = []
         self.array_bytes = total
@@ -121,14 +117,14 @@ def _fits(first: Any) -> bool:
 
 
 def load_rows(load: Callable[[Any], Any], keys: list[Any], space: SlotSpace | None, maps: SlotMaps,
-              on_key: Callable[[Any], None]) -> tuple[Any, list[Any] | None]:
+              on_key: Callable[[Any], None]) -> tuple[Any, list[Any]]:
     """Fetch the samples of `keys` with `load`, writing them row by row into the task's slot.
 
-    Returns `(handle, None)` when the batch was written so (the handle `pack_batch` would
-    give), otherwise `(None, samples)`: every sample of the batch, fetched once, for the
-    usual batching. `on_key(key)` names the key being fetched when `load` raises.
+    Returns `(handle, [])` when the whole batch was written so (the handle `pack_batch`
+    would give), otherwise `(None, samples)`: the first samples of the batch, each fetched
+    once, for the caller to fetch the rest and batch them the usual way. `on_key(key)` names
+    the key being fetched when `load` raises.
     """
-    samples: list[Any] = []
     try:
         first = load(keys[0])
     except BaseException:
@@ -136,13 +132,12 @@ def load_rows(load: Callable[[Any], Any], keys: list[Any], space: SlotSpace | No
         raise
     slot = space.slot if space is not None else None
     if space is None or slot is None or not _fits(first):
-        return None, _fetch_rest(load, keys, [first], on_key)
+        return None, [first]
     count = len(keys)
-    start = HEADER_BYTES + space.offset
-    layout = _Layout(first, count, maps.get(slot), start)
+    layout = _Layout(first, count, maps.get(slot), _HEADER_BYTES + space.offset)
     # Numbers take at most 16 bytes each (complex128); they go after the arrays.
-    if space.offset + layout.array_bytes + len(layout.numbers) * round_up(16 * count, ALIGN_BYTES) > slot[3]:
-        return None, _fetch_rest(load, keys, [first], on_key)
+    if space.offset + layout.array_bytes + len(layout.numbers) * round_up(16 * count, _ALIGN_BYTES) > slot[3]:
+        return None, [first]
     layout.write(0, first)
     del first
     for row in range(1, count):
@@ -152,21 +147,9 @@ def load_rows(load: Callable[[Any], Any], keys: list[Any], space: SlotSpace | No
             on_key(keys[row])
             raise
         if not layout.write(row, sample):
-            samples = layout.read_back(row)
-            samples.append(sample)
-            return None, _fetch_rest(load, keys, samples, on_key)
+            return None, layout.read_back(row) + [sample]
         del sample
-    return _seal(layout, count, space, maps, slot), None
-
-
-def _fetch_rest(load: Callable[[Any], Any], keys: list[Any], samples: list[Any],
-                on_key: Callable[[Any], None]) -> list[Any]:
-    try:
-        samples.extend(map(load, keys[len(samples):]))
-    except BaseException:
-        on_key(keys[len(samples)])
-        raise
-    return samples
+    return _seal(layout, count, space, maps, slot), []
 
 
 def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: Any) -> tuple[Any, ...]:
@@ -175,17 +158,17 @@ def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: A
     leaves: list[Leaf] = []
     total = layout.array_bytes
     memory = maps.get(slot)
-    start = HEADER_BYTES + space.offset
+    start = _HEADER_BYTES + space.offset
     for index in range(layout.width):
         if index in layout.arrays:
             view = layout.arrays[index]
             leaf = Leaf(view.shape, as_torch_dtype(view.dtype), _no_fill)  # type: ignore[arg-type]
             offsets[id(leaf)] = layout.offsets[index]
         else:
-            leaf = plan_scalars(layout.numbers[index], None)  # raises as the default batchify does
+            leaf = _plan_scalars(layout.numbers[index], None)  # raises as the default batchify does
             offsets[id(leaf)] = total
-            leaf.fill(tensor_at(memory, start + total, leaf.shape, leaf.dtype))
-            total += round_up(leaf.nbytes, ALIGN_BYTES)
+            leaf.fill(_tensor_at(memory, start + total, leaf.shape, leaf.dtype))
+            total += round_up(leaf.nbytes, _ALIGN_BYTES)
         leaves.append(leaf)
     if layout.kind is np.ndarray:
         plan: Any = leaves[0]
@@ -195,4 +178,4 @@ def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: A
         plan = leaves  # the default batchify makes a list of any other sequence sample
     offset = space.offset
     space.offset += total
-    return (slot[2], offset, total, encode_plan(plan, offsets), None)
+    return (slot[2], offset, total, _encode(plan, offsets), None)

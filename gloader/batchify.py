@@ -179,6 +179,8 @@ def _plan_default(samples: Sequence[Any]) -> Any:
             columns = list(zip(*samples, strict=True))  # checks the lengths as it goes, at C speed
         except ValueError:
             lengths = set(map(len, samples))
+            if len(lengths) == 1:
+                raise  # not the lengths: a sample's own iteration failed
             raise ValueError(f"sequence samples of one batch must have the same length, got lengths "
                              f"{sorted(lengths)}") from None
         fields = [_plan_default(column) for column in columns]

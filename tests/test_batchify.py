@@ -46,6 +46,20 @@ def test_default_rejects_sequence_samples_of_different_lengths(samples: list, le
         default_batchify_fn(samples)
 
 
+def test_a_sequence_sample_that_fails_to_iterate_keeps_its_own_error() -> None:
+    class Broken(collections.abc.Sequence):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int) -> Any:
+            if index == 0:
+                return 0
+            raise ValueError("field unreadable") if index == 1 else IndexError(index)
+
+    with pytest.raises(ValueError, match="field unreadable"):
+        default_batchify_fn([Broken(), Broken()])
+
+
 @pytest.mark.parametrize("second", [np.zeros(3), np.zeros((2, 4)), np.zeros(2), np.zeros((2, 3, 1)), np.zeros((3, 3))],
                          ids=["length", "inner", "fewer-dims", "more-dims", "length-2d"])
 def test_default_rejects_different_shapes_and_suggests_pad(second: np.ndarray) -> None:
