@@ -25,8 +25,9 @@ not fit (larger than any before) travels in the handle instead, as a bytearray; 
 then lends bigger slots.
 
 Each segment starts with a 64-byte header the caller writes: a random TOKEN, which the
-worker checks after mapping, and RETIRED, set when the caller gives the segment up (surplus,
-too small, or the loader closed), after which workers unmap it. The whole flow is drawn in
+worker checks after mapping; RETIRED, set when the caller gives the segment up (surplus,
+too small, or the loader closed), after which workers unmap it; and WRITTEN, set by the
+first worker that maps it (see _MADV_POPULATE_READ). The whole flow is drawn in
 `_engine`.
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ __all__ = ["SlotMaps", "SlotPool", "SlotSpace", "close_inherited_segments", "pac
 # cache line that two writers could contend on. The header takes the first 64 bytes.
 _ALIGN_BYTES = 64
 _HEADER_BYTES = 64
-_TOKEN, _RETIRED = 0, 1
+_TOKEN, _RETIRED, _WRITTEN = 0, 1, 2
 _Header = ctypes.c_uint64 * (_HEADER_BYTES // 8)
 # A new slot gets this much room beyond the largest batch seen (in eighths), so that slowly
 # growing padded batches fit it instead of needing a new slot each time.
@@ -68,12 +69,15 @@ _PROBE_BYTES = 256 << 20
 # ends before the first batch comes back.
 _MAX_PROBES = 16
 _MADV_DONTFORK = 10  # linux/mman.h
-# A process's first touch of each 4 KiB page of a mapped segment is a page fault: a worker
-# writing a 38.5 MB batch into a slot it has not written before took 16.5 ms, against 1.3 ms
-# the next time. Mapping reserved slots with MAP_POPULATE enters every page in one call
-# (5.3 ms map and write). It matters because every worker meets every slot in circulation
-# once: with 4 workers and ~12 slots that was 48 first touches in the first epoch.
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+# A process's first touch of each 4 KiB page of a mapped segment is a page fault. Writing a
+# 38.5 MB batch into a slot took a worker 16 ms that way, against 1.3 ms the next time, and
+# every worker meets every slot in circulation once (4 workers, ~12 slots: 48 first touches
+# in the first epoch). So a worker asks the kernel to map all of a new slot's pages at once
+# (Linux 5.14+; elsewhere the call fails and nothing changes): the slot's first writer with
+# POPULATE_WRITE, which also clears the reserved pages (11 ms in all, against 16.4), the
+# others with POPULATE_READ, the pages being there (3.5 ms). Not for probes: only the pages
+# written take memory.
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
 _SEGMENT_NAME = "gloader"
 # A mapped segment: a ctypes byte array over the mapping (see _map_fd).
 Segment = Any
@@ -97,9 +101,8 @@ def _libc() -> Any:
     return _LIBC
 
 
-def _map_fd(fd: int, size: int, populate: bool = False) -> Segment:
-    """Map `size` bytes of `fd` shared, keeping no file descriptor; with `populate`, its pages
-    (already reserved) enter the page table at once.
+def _map_fd(fd: int, size: int) -> Segment:
+    """Map `size` bytes of `fd` shared, keeping no file descriptor.
 
     Python's mmap.mmap duplicates the descriptor and keeps it while mapped: one fd per batch
     the caller holds, so ~1,000 held batches hit the usual `ulimit -n 1024`. Mapped here with
@@ -108,8 +111,7 @@ def _map_fd(fd: int, size: int, populate: bool = False) -> Segment:
     dropping our own reference is all that releasing a mapping takes.
     """
     libc = _libc()
-    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if address is None or address == _MAP_FAILED:
         code = ctypes.get_errno()
         raise OSError(code, f"mapping {size} bytes of shared memory failed: {os.strerror(code)}")
@@ -143,7 +145,7 @@ def _create_segment(size: int, reserve: bool = True) -> tuple[int, Segment]:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise _out_of_memory(size, exc) from exc
             raise
-        return fd, _map_fd(fd, size, populate=reserve)
+        return fd, _map_fd(fd, size)
     except BaseException:
         os.close(fd)
         raise
@@ -188,16 +190,18 @@ class SlotMaps:
             raise RuntimeError(f"cannot open {path}, the shared memory gloader's caller (pid {pid}) lent: this "
                                "system does not let a worker open its caller's descriptors; use thread_pool=True "
                                "or num_workers=0") from exc
-        probe = capacity == _PROBE_BYTES - _HEADER_BYTES  # not reserved: only the pages written take memory
         try:
-            segment = _map_fd(local, _HEADER_BYTES + capacity, populate=not probe)
+            segment = _map_fd(local, _HEADER_BYTES + capacity)
         finally:
             os.close(local)
         header = _Header.from_buffer(segment)
         if header[_TOKEN] != token:
             raise RuntimeError(f"{path} is not the slot gloader's caller (pid {pid}) lent (token mismatch)")
-        if probe:  # a probe is lent once: not kept mapped (a slot of exactly that size is only mapped again
-            return segment  # each time)
+        if capacity == _PROBE_BYTES - _HEADER_BYTES:  # a probe is lent once: not kept mapped (a slot of
+            return segment  # exactly that size is only mapped again each time)
+        advice = _MADV_POPULATE_READ if header[_WRITTEN] else _MADV_POPULATE_WRITE
+        header[_WRITTEN] = 1
+        _libc().madvise(ctypes.addressof(segment), _HEADER_BYTES + capacity, advice)
         self._maps[token] = (segment, header)
         while len(self._maps) > self._max_maps:
             self._maps.popitem(last=False)

@@ -291,16 +291,18 @@ def test_the_first_batches_go_into_probe_slots_that_use_only_the_pages_written(s
 
 def test_a_worker_writes_a_slot_it_maps_for_the_first_time_without_a_fault_per_page(slots) -> None:
     # Every worker meets every slot in circulation once; one fault per 4 KiB page made the
-    # first write three times slower than the next (see _MAP_POPULATE).
+    # first write three times slower than the next (see _MADV_POPULATE_READ).
     resource = pytest.importorskip("resource")
-    pool, maps = slots
+    pool, first_writer = slots
     pool.give_back(None, (0, 0, 8 << 20, None, None))  # batches of 8 MiB were seen
     slot = pool.acquire()
     assert slot is not None
+    np.frombuffer(first_writer.get(slot), dtype=np.uint8)[64:] = 1  # past the header
+    other_worker = SlotMaps(8)  # a mapping of its own, as in another worker
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    segment = maps.get(slot)  # a mapping of its own, as in a worker
-    np.frombuffer(segment, dtype=np.uint8)[:] = 7
+    np.frombuffer(other_worker.get(slot), dtype=np.uint8)[64:] = 7
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     pages = (8 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert faults < pages // 8, f"{faults} page faults writing {pages} pages"
+    other_worker.close()
     pool.give_back(slot, None)
