@@ -2,14 +2,18 @@
 figures, and rejects bad arguments. Speed itself is measured by running it, not here."""
 from __future__ import annotations
 
+import multiprocessing
 import re
 import subprocess
 import sys
+import time
+from typing import Any
 
 import pytest
 import torch
 
 from gloader import bench
+from gloader.bench import cli
 from gloader.bench.device import report_device
 
 pytestmark = pytest.mark.timeout(180)
@@ -92,3 +96,27 @@ def test_jpeg_folder_workload_reports_a_row_and_a_scaling_table_and_removes_its_
     assert len(ratios) == 3  # num_workers 1, 2, 4
     assert all(float(r) == pytest.approx(int(g) / int(t), abs=0.02) for g, t, r in ratios)
     assert set(glob.glob(f"{tempfile.gettempdir()}/gloader-bench-jpegs-*")) == before
+
+
+def _spin_then_wait(spun: Any, release: Any) -> None:
+    end = time.process_time() + 0.5
+    while time.process_time() < end:
+        pass
+    spun.set()
+    release.wait(30)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_turn_waits_until_the_workers_of_the_loaders_before_it_are_idle() -> None:
+    # A loader's turn must not share the cores with what another loader prefetched.
+    context = multiprocessing.get_context("fork")
+    spun, release = context.Event(), context.Event()
+    child = context.Process(target=_spin_then_wait, args=(spun, release))
+    child.start()
+    try:
+        assert cli._children_cpu_ticks() is not None
+        cli._settle()
+        assert spun.is_set()  # it waited for the child's half second of CPU
+    finally:
+        release.set()
+        child.join(10)

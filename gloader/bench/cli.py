@@ -3,11 +3,14 @@
 Run `python -m gloader.bench` (add `--quick` for a short run, `--plot FILE.png` for a chart).
 Every loader uses the same synthetic datasets (made from the index or written by the
 benchmark, nothing is downloaded), num_workers=2 unless said, and they are measured round by
-round, interleaved, so that machine noise hits all alike; each round first takes some
-batches untimed (so that no loader is timed on what it buffered while the others ran); the
-report gives medians and min-max over the rounds. Peers beside torch on W1-W3: the loop a user
-writes without workers, gloader with one worker, and tensorpack's MultiProcessRunnerZMQ with two
-(W1, W2; skipped with a message when tensorpack is not installed).
+round, interleaved, so that machine noise hits all alike. Every loader first serves some
+batches untimed (its workers start, its memory is allocated); before each turn the benchmark
+waits until the workers of all loaders are idle (no loader is timed while another finishes
+what it prefetched), and each turn first takes some batches untimed (no loader is timed on
+what it buffered while the others ran). The report gives medians and min-max over the
+rounds. Peers beside torch on W1-W3: the loop a user writes without workers, gloader with
+one worker, and tensorpack's MultiProcessRunnerZMQ with two (W1, W2; skipped with a message
+when tensorpack is not installed).
 
 Workloads:
     W1 tiny: samples of float32[16] + int, batch 256, shuffle.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import shutil
 import statistics
 import sys
@@ -57,6 +61,14 @@ from .peers import InProcessLoop, TensorpackLoop, has_tensorpack
 __all__ = ["main", "plot", "report", "run"]
 
 _WORKERS = 2
+# Before a loader's turn, the benchmark waits until the worker processes of the loaders before
+# it have finished what they had prefetched (a window of 8 JPEG batches is ~1.6 s of CPU),
+# so that no loader is timed while another's leftover work shares the cores: their CPU time
+# must advance by at most _IDLE_TICKS clock ticks (1/100 s each) in _SETTLE_POLL_S, within
+# _SETTLE_DEADLINE_S (then the round goes on).
+_SETTLE_POLL_S = 0.1
+_IDLE_TICKS = 2
+_SETTLE_DEADLINE_S = 30.0
 
 
 # Peers measured beside gloader (nw=2) and torch (nw=2, persistent workers), per workload.
@@ -122,6 +134,37 @@ def _throughput(loader: Any, batches: int, warm: int = 1) -> float:
     return time.perf_counter() - start
 
 
+def _children_cpu_ticks() -> int | None:
+    """CPU time (clock ticks) used so far by this process's child processes (None without /proc)."""
+    me = str(os.getpid())
+    total = 0
+    try:
+        pids = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # gone, or not ours to read
+        if fields[1] == me.encode():  # ppid; utime and stime are fields 14 and 15 of stat
+            total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def _settle() -> None:
+    """Wait until the child processes (every loader's workers) are idle."""
+    start = time.perf_counter()
+    before = _children_cpu_ticks()
+    while before is not None and time.perf_counter() - start < _SETTLE_DEADLINE_S:
+        time.sleep(_SETTLE_POLL_S)
+        after = _children_cpu_ticks()
+        if after is None or after - before <= _IDLE_TICKS:
+            break
+        before = after
+
+
 def _first_batch_latency(loader: Any, epochs: int) -> list[float]:
     out = []
     for _ in range(epochs):
@@ -161,7 +204,7 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         with_latency = only is None or "W4" in only
         scaling = [w for w in workloads if w.name in _SCALING]
         steps = sum(2 + len(_PEERS.get(w.name, ())) for w in workloads) + with_latency * 2
-        progress = _Progress(rounds * steps + len(scaling) * len(_SCALING_WORKERS) * 2 * _scaling_rounds(rounds))
+        progress = _Progress(rounds * steps + len(scaling) * len(_SCALING_WORKERS) * 2 * rounds)
         datasets = {}
         for work in workloads:
             datasets[work.name] = work.make()  # once: W8 writes 2,000 JPEGs
@@ -197,7 +240,7 @@ def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str
         Workload("W3", "CPU-bound ~0.5 ms/sample, batch 32", lambda: CpuBoundDataset(20_000, size), 32, 64 * 4 + 8,
                  int(100 * scale) or 10, 10),
         Workload("W8", "ImageFolder JPEGs, decode + crop/flip/normalize, batch 64", jpegs, 64,
-                 3 * 224 * 224 * 4 + 8, int(12 * scale) or 3, 10 if scale == 1.0 else 2),
+                 3 * 224 * 224 * 4 + 8, int(24 * scale) or 3, 10 if scale == 1.0 else 2),
         Workload("W9", "HuggingFace datasets table (torch format), batch 256", lambda: huggingface_table(50_000),
                  256, 64 * 4 + 8, int(150 * scale) or 15, 4),
     ]
@@ -218,8 +261,11 @@ def _time_rounds(loaders: dict[str, Any], work: Workload, rounds: int, progress:
     names = list(loaders)
     times: dict[str, list[float]] = {name: [] for name in names}
     try:
+        for name in names:  # untimed: start the workers, create the shared memory, grow the heaps
+            _throughput(loaders[name], 0, work.warm)
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
+                _settle()
                 times[name].append(_throughput(loaders[name], work.batches, work.warm))
                 progress.step(f"{label} round {r + 1} {name}")
     finally:
@@ -249,16 +295,12 @@ def _measure_workload(work: Workload, dataset: Any, rounds: int, progress: _Prog
     }
 
 
-def _scaling_rounds(rounds: int) -> int:
-    return max(1, min(rounds, 3))
-
-
 def _measure_scaling(work: Workload, dataset: Any, rounds: int, progress: _Progress) -> dict[str, Any]:
     """Samples/s of gloader and torch with 1, 2 and 4 workers (persistent), all six loaders
     taking turns in every round, so that the machine's drift does not fall on one column."""
     loaders = {f"{name} nw={workers}": (_gloader if name == "gloader" else _torch)(dataset, work.batch_size, workers)
                for workers in _SCALING_WORKERS for name in ("gloader", "torch")}
-    times = _time_rounds(loaders, work, _scaling_rounds(rounds), progress, f"{work.name} scaling")
+    times = _time_rounds(loaders, work, rounds, progress, f"{work.name} scaling")
     return {str(workers): {name: [work.batches * work.batch_size / t for t in times[f"{name} nw={workers}"]]
                            for name in ("gloader", "torch")} for workers in _SCALING_WORKERS}
 
