@@ -3,12 +3,11 @@
 Run `python -m gloader.bench` (add `--quick` for a short run, `--plot FILE.png` for a chart).
 Every loader uses the same synthetic datasets (made from the index or written by the
 benchmark, nothing is downloaded), num_workers=2 unless said, and they are measured round by
-round, interleaved, so that machine noise hits all alike. Every loader first serves some
-batches untimed (its workers start, its memory is allocated); before each turn the benchmark
-waits until the workers of all loaders are idle (no loader is timed while another finishes
-what it prefetched), and each turn first takes some batches untimed (no loader is timed on
-what it buffered while the others ran). The report gives medians and min-max over the
-rounds. Peers beside torch on W1-W3: the loop a user writes without workers, gloader with
+round, interleaved, so that machine noise hits all alike. Each round builds every loader
+anew and closes it after its turn (the same loader built twice can read a few percent
+apart, so the median is over instances too); a turn first waits until the workers of the
+loaders before it are idle, then takes some batches untimed (workers start, memory is
+allocated), then the timed ones. The report gives medians and min-max over the rounds. Peers beside torch on W1-W3: the loop a user writes without workers, gloader with
 one worker, and tensorpack's MultiProcessRunnerZMQ with two (W1, W2; skipped with a message
 when tensorpack is not installed).
 
@@ -33,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 import statistics
@@ -86,7 +86,7 @@ class Workload:
     batch_size: int
     sample_bytes: int
     batches: int  # per round and loader
-    warm: int  # batches each loader serves untimed at the start of a round
+    warm: int  # batches each new loader serves untimed before its timed ones
 
 
 def _gloader(dataset: Any, batch_size: int, workers: int = _WORKERS) -> Any:
@@ -238,9 +238,9 @@ def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str
         Workload("W2", "images uint8 224x224x3+int, batch 64", lambda: ImageDataset(20_000), 64,
                  224 * 224 * 3 + 8, int(400 * scale) or 40, 150 if scale == 1.0 else 15),
         Workload("W3", "CPU-bound ~0.5 ms/sample, batch 32", lambda: CpuBoundDataset(20_000, size), 32, 64 * 4 + 8,
-                 int(100 * scale) or 10, 10),
+                 int(100 * scale) or 10, 20),
         Workload("W8", "ImageFolder JPEGs, decode + crop/flip/normalize, batch 64", jpegs, 64,
-                 3 * 224 * 224 * 4 + 8, int(24 * scale) or 3, 10 if scale == 1.0 else 2),
+                 3 * 224 * 224 * 4 + 8, int(24 * scale) or 3, 32 if scale == 1.0 else 2),
         Workload("W9", "HuggingFace datasets table (torch format), batch 256", lambda: huggingface_table(50_000),
                  256, 64 * 4 + 8, int(150 * scale) or 15, 4),
     ]
@@ -255,22 +255,25 @@ def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str
     return workloads
 
 
-def _time_rounds(loaders: dict[str, Any], work: Workload, rounds: int, progress: _Progress,
+def _time_rounds(makers: dict[str, Callable[[], Any]], work: Workload, rounds: int, progress: _Progress,
                  label: str) -> dict[str, list[float]]:
-    """Seconds per round of each loader, the order turning each round; closes the loaders."""
-    names = list(loaders)
+    """Seconds per round of each loader, the order turning each round. Every round builds each
+    loader anew (its warm-up batches are untimed) and closes it after its turn: the same
+    loader built twice can read a few percent apart all run long (two gloader nw=2 loaders
+    on W8 in one run: 819 and 791 samples/s in each of five rounds; one W2 loader of six
+    read 72k against 93-102k), so a median over rounds is also a median over instances."""
+    names = list(makers)
     times: dict[str, list[float]] = {name: [] for name in names}
-    try:
-        for name in names:  # untimed: start the workers, create the shared memory, grow the heaps
-            _throughput(loaders[name], 0, work.warm)
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                _settle()
-                times[name].append(_throughput(loaders[name], work.batches, work.warm))
-                progress.step(f"{label} round {r + 1} {name}")
-    finally:
-        for loader in loaders.values():
-            _close(loader)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            _settle()
+            loader = makers[name]()
+            try:
+                times[name].append(_throughput(loader, work.batches, work.warm))
+            finally:
+                _close(loader)
+                del loader
+            progress.step(f"{label} round {r + 1} {name}")
     return times
 
 
@@ -281,8 +284,8 @@ def _measure_workload(work: Workload, dataset: Any, rounds: int, progress: _Prog
     if "tensorpack" in names and not has_tensorpack():
         names.remove("tensorpack")
         skipped["tensorpack"] = "not installed (pip install tensorpack)"
-    times = _time_rounds({name: _make_peer(name, dataset, work.batch_size) for name in names}, work, rounds,
-                         progress, work.name)
+    times = _time_rounds({name: functools.partial(_make_peer, name, dataset, work.batch_size) for name in names},
+                         work, rounds, progress, work.name)
     samples = work.batches * work.batch_size
     gl = times["gloader"]
     return {
@@ -298,9 +301,11 @@ def _measure_workload(work: Workload, dataset: Any, rounds: int, progress: _Prog
 def _measure_scaling(work: Workload, dataset: Any, rounds: int, progress: _Progress) -> dict[str, Any]:
     """Samples/s of gloader and torch with 1, 2 and 4 workers (persistent), all six loaders
     taking turns in every round, so that the machine's drift does not fall on one column."""
-    loaders = {f"{name} nw={workers}": (_gloader if name == "gloader" else _torch)(dataset, work.batch_size, workers)
-               for workers in _SCALING_WORKERS for name in ("gloader", "torch")}
-    times = _time_rounds(loaders, work, rounds, progress, f"{work.name} scaling")
+    makers: dict[str, Callable[[], Any]] = {
+        f"{name} nw={workers}": functools.partial(_gloader if name == "gloader" else _torch, dataset, work.batch_size,
+                                                  workers)
+        for workers in _SCALING_WORKERS for name in ("gloader", "torch")}
+    times = _time_rounds(makers, work, rounds, progress, f"{work.name} scaling")
     return {str(workers): {name: [work.batches * work.batch_size / t for t in times[f"{name} nw={workers}"]]
                            for name in ("gloader", "torch")} for workers in _SCALING_WORKERS}
 
