@@ -120,3 +120,29 @@ def test_a_turn_waits_until_the_workers_of_the_loaders_before_it_are_idle() -> N
     finally:
         release.set()
         child.join(10)
+
+
+class _CountedLoader:
+    """A loader that records its life: built, closed."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+        log.append(f"built {name}")
+
+    def __iter__(self) -> Any:
+        return iter(range(1000))
+
+    def close(self) -> None:
+        self.log.append(f"closed {self.name}")
+
+
+def test_every_round_builds_each_loader_anew_and_closes_it_after_its_turn() -> None:
+    # One instance per loader would carry its luck into every round (see cli._time_rounds).
+    log: list[str] = []
+    makers = {name: (lambda name=name: _CountedLoader(log, name)) for name in ("a", "b")}
+    work = cli.Workload("T", "test", lambda: None, 1, 1, batches=3, warm=2)
+    times = cli._time_rounds(makers, work, 3, cli._Progress(6), "T")
+    assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3}
+    assert log == ["built a", "closed a", "built b", "closed b",  # the order turns each round
+                   "built b", "closed b", "built a", "closed a",
+                   "built a", "closed a", "built b", "closed b"]

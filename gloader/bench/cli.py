@@ -7,9 +7,10 @@ round, interleaved, so that machine noise hits all alike. Each round builds ever
 anew and closes it after its turn (the same loader built twice can read a few percent
 apart, so the median is over instances too); a turn first waits until the workers of the
 loaders before it are idle, then takes some batches untimed (workers start, memory is
-allocated), then the timed ones. The report gives medians and min-max over the rounds. Peers beside torch on W1-W3: the loop a user writes without workers, gloader with
-one worker, and tensorpack's MultiProcessRunnerZMQ with two (W1, W2; skipped with a message
-when tensorpack is not installed).
+allocated), then the timed ones. The report gives medians and min-max over the rounds.
+Peers beside torch on W1-W3: the loop a user writes without workers, gloader with one
+worker, and tensorpack's MultiProcessRunnerZMQ with two (W1, W2; skipped with a message when
+tensorpack is not installed).
 
 Workloads:
     W1 tiny: samples of float32[16] + int, batch 256, shuffle.
@@ -136,7 +137,7 @@ def _throughput(loader: Any, batches: int, warm: int = 1) -> float:
 
 def _children_cpu_ticks() -> int | None:
     """CPU time (clock ticks) used so far by this process's child processes (None without /proc)."""
-    me = str(os.getpid())
+    me = str(os.getpid()).encode()
     total = 0
     try:
         pids = [entry for entry in os.listdir("/proc") if entry.isdigit()]
@@ -148,7 +149,7 @@ def _children_cpu_ticks() -> int | None:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue  # gone, or not ours to read
-        if fields[1] == me.encode():  # ppid; utime and stime are fields 14 and 15 of stat
+        if fields[1] == me:  # ppid; utime and stime are fields 14 and 15 of stat
             total += int(fields[11]) + int(fields[12])
     return total
 
@@ -260,7 +261,7 @@ def _time_rounds(makers: dict[str, Callable[[], Any]], work: Workload, rounds: i
     """Seconds per round of each loader, the order turning each round. Every round builds each
     loader anew (its warm-up batches are untimed) and closes it after its turn: the same
     loader built twice can read a few percent apart all run long (two gloader nw=2 loaders
-    on W8 in one run: 819 and 791 samples/s in each of five rounds; one W2 loader of six
+    on W8 in one run: 819 and 791 samples/s in each of five rounds; one W2 loader of twelve
     read 72k against 93-102k), so a median over rounds is also a median over instances."""
     names = list(makers)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -272,7 +273,7 @@ def _time_rounds(makers: dict[str, Callable[[], Any]], work: Workload, rounds: i
                 times[name].append(_throughput(loader, work.batches, work.warm))
             finally:
                 _close(loader)
-                del loader
+                del loader  # torch's workers end with its loader: before the next turn's wait
             progress.step(f"{label} round {r + 1} {name}")
     return times
 
