@@ -183,7 +183,7 @@ class _OnPool:
         return self.core.submit(args, on_ready)
 
     def find_dead_worker(self) -> str | None:
-        return self.core.find_dead_worker()
+        return self.core.find_dead_worker(self._loader_id)
 
     def worker_pids(self) -> list[int]:
         return self.core.worker_pids()

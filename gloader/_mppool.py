@@ -10,9 +10,9 @@ import socket
 import struct
 import termios
 import time
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "make_pool_class"]
+__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "make_pool_class", "on_result_sent"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
@@ -27,6 +27,17 @@ _ARRIVAL_POLL_S = 50e-6
 # A message whose arrival has not grown for this long does not fit in the socket (the writer
 # waits for room): it is read in pieces, as larger ones are, rather than waited for forever.
 _STALLED_S = 0.02
+
+
+# Runs in a worker after each result it sends (set by its initializer); None in the caller.
+_result_sent: Callable[[], None] | None = None
+
+
+def on_result_sent(callback: Callable[[], None] | None) -> None:
+    """Have this worker process call `callback` after each result it sends: until then the
+    task is the worker's, and a worker that dies before has lost it."""
+    global _result_sent
+    _result_sent = callback
 
 
 def _available(sock: socket.socket) -> int:
@@ -191,15 +202,17 @@ def _make_queue_class() -> Any:
                 try:
                     if self._wlock is None:
                         self._writer.send_bytes(data)
-                        return
-                    with self._wlock:
-                        self._writer.send_bytes(data)
+                    else:
+                        with self._wlock:
+                            self._writer.send_bytes(data)
                 except (BrokenPipeError, ConnectionResetError):
                     if os.getpid() == self._creator:
                         raise
                     # A worker whose caller is gone (killed): nobody will read this result,
                     # and the pool's worker loop would print a traceback for each one.
                     os._exit(0)
+                if _result_sent is not None and os.getpid() != self._creator:
+                    _result_sent()
 
         _TrackedQueue = TrackedQueue
     return _TrackedQueue

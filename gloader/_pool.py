@@ -11,6 +11,7 @@ uses a `PoolCore` directly. The whole flow is drawn in `_engine`.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import pickle
@@ -65,6 +66,14 @@ def describe_exit(exitcode: int) -> str:
             "dataset, a transform or the batchify function")
 
 
+@dataclasses.dataclass
+class _Death:
+    """A worker's death, noticed and not yet reported."""
+
+    text: str
+    owner: int | None  # the loader whose task the worker held; None: it held none
+
+
 class PoolCore:
     """One running pool of `num_workers` processes or threads, with its supervision.
 
@@ -85,7 +94,9 @@ class PoolCore:
         self.payload_dir = tempfile.mkdtemp(prefix="gloader-payload-")
         self._closed = False
         self._watched: list[Any] = []
-        self._reported: set[int] = set()  # dead workers already reported (or killed on purpose)
+        self._noticed: set[Any] = set()  # worker processes whose exit was noticed (or killed on purpose)
+        self._deaths: list[_Death] = []  # noticed, not reported yet
+        self._deaths_lock = threading.Lock()  # loaders on a shared pool may wait in different threads
         ctx = multiprocess.get_context(start_method)
         status = None if is_thread else ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
         self.status = None if status is None else StatusTable(status, num_workers)
@@ -122,27 +133,49 @@ class PoolCore:
         """Pids of the worker processes (empty for threads)."""
         return [] if self.is_thread else [p.pid for p in list(self.pool._pool)]
 
-    def find_dead_worker(self) -> str | None:
-        """Describe the first worker process that has died, or return None.
+    def find_dead_worker(self, loader_id: int | None = None) -> str | None:
+        """Describe a worker process that has died, once, to the loader it concerns; or None.
 
-        Reads exit codes itself, because the pool replaces dead workers silently.
+        Reads exit codes itself, because the pool replaces dead workers silently. A worker
+        that died holding a task (loading it or sending its result) lost that task: its death
+        is reported to the loader the task belongs to (`loader_id`; None takes any), so on a
+        shared pool the other loaders, which lost nothing, go on. A death while idle lost no
+        task and is reported to the first loader that asks.
         """
         if self.is_thread or self._closed:
             return None
-        for process in list(self.pool._pool):
+        with self._deaths_lock:
+            self._notice_deaths()
+            for death in self._deaths:
+                if death.owner is None or loader_id is None or death.owner == loader_id:
+                    self._deaths.remove(death)
+                    return death.text
+        return None
+
+    def _notice_deaths(self) -> None:
+        running = list(self.pool._pool)
+        for process in running:
             if process not in self._watched:
                 self._watched.append(process)
         for process in self._watched:
             code = process.exitcode
-            if code is not None and process.pid not in self._reported:
-                self._reported.add(process.pid)  # reported once: the pool has replaced it
-                if not self._has_started(process.pid):
-                    return (f"gloader worker (pid {process.pid}) exited with code {code} while starting, before "
-                            "it could load anything; under spawn or forkserver the main script is imported "
-                            "again in each worker, so guard it with `if __name__ == '__main__':` (its "
-                            "traceback is on stderr)")
-                return f"gloader worker (pid {process.pid}) {describe_exit(code)}{self._doing(process.pid)}"
-        return None
+            if code is None or process in self._noticed:
+                continue
+            self._noticed.add(process)  # noticed once: the pool has replaced it
+            if not self._has_started(process.pid):
+                text = (f"gloader worker (pid {process.pid}) exited with code {code} while starting, before it "
+                        "could load anything; under spawn or forkserver the main script is imported again in "
+                        "each worker, so guard it with `if __name__ == '__main__':` (its traceback is on stderr)")
+                self._deaths.append(_Death(text, None))
+                continue
+            doing = self.status.doing(process.pid) if self.status is not None else None
+            text = f"gloader worker (pid {process.pid}) {describe_exit(code)}"
+            if doing is not None:
+                text += f". It was loading batch {doing[2]} of epoch {doing[1]} for loader {doing[0]}"
+            self._deaths.append(_Death(text, None if doing is None else doing[0]))
+        # Once noticed and gone from the pool, a dead worker is never looked at again.
+        self._watched = [process for process in self._watched if process.exitcode is None or process in running]
+        self._noticed.intersection_update(self._watched)
 
     def kill_worker_loading(self, loader_id: int, epoch: int, batch_indices: list[int]) -> int | None:
         """Kill the worker process stuck on one of those batches (a shared pool's hung worker
@@ -153,7 +186,8 @@ class PoolCore:
             doing = self.status.doing(process.pid)
             if doing is not None and doing[:2] == (loader_id, epoch) and doing[2] in batch_indices:
                 batch_index = doing[2]
-                self._reported.add(process.pid)  # killed on purpose: not a death to report
+                with self._deaths_lock:
+                    self._noticed.add(process)  # killed on purpose: not a death to report
                 process.kill()
                 logger.warning("killed gloader worker %d: it spent longer than the timeout on batch %d of "
                                "epoch %d for loader %d", process.pid, batch_index, epoch, loader_id)
@@ -162,13 +196,6 @@ class PoolCore:
 
     def _has_started(self, pid: int) -> bool:
         return self.status is not None and self.status.has_started(pid)
-
-    def _doing(self, pid: int) -> str:
-        doing = self.status.doing(pid) if self.status is not None else None
-        if doing is None:
-            return ""
-        loader_id, epoch, batch_index = doing
-        return f". It was loading batch {batch_index} of epoch {epoch} for loader {loader_id}"
 
     def join(self, loader_id: int, payload: Payload) -> None:
         """Register a loader on the running pool. Thread workers share this process's registry;
@@ -187,6 +214,8 @@ class PoolCore:
         if self.is_thread:
             unregister_loader(loader_id)
             return
+        with self._deaths_lock:  # deaths of its tasks' workers concern nobody else
+            self._deaths = [death for death in self._deaths if death.owner != loader_id]
         try:
             os.unlink(os.path.join(self.payload_dir, f"{loader_id}.pkl"))
         except FileNotFoundError:

@@ -30,6 +30,7 @@ from typing import Any, Callable, ContextManager
 
 from . import _registry
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
+from ._mppool import on_result_sent
 from ._protocol import WorkerFailure, encode, encode_answers
 from ._registry import Payload, Registration
 from ._seed import seed_global_rng
@@ -168,9 +169,6 @@ class _LocalLink:
     def begin(self, loader_id: int, epoch: int, batch_index: int) -> None:
         pass
 
-    def end(self) -> None:
-        pass
-
 
 class _ProcessLink:
     """A process worker's view of its pool: payload files of joining loaders, the status table."""
@@ -209,6 +207,8 @@ class _ProcessLink:
         return registration
 
     def begin(self, loader_id: int, epoch: int, batch_index: int) -> None:
+        """Mark the batch this worker is loading. The mark stays until the task's result is
+        sent (`end`, called by the result queue), so a death up to then names the task's loader."""
         self.status.mark_busy(self.row, loader_id, epoch, batch_index)
 
     def end(self) -> None:
@@ -306,6 +306,8 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
         failure = WorkerFailure("builtins.RuntimeError", "gloader worker was not initialized", "", "",
                                 batches[0][0], None, -1, os.getpid(), None)
         return encode_answers([failure] * len(batches))
+    # The task is the worker's from here until its result is sent (see `_ProcessLink`).
+    state.link.begin(loader_id, epoch, batches[0][0])
     registration = state.link.find(loader_id, state)
     answers: list[Any] = []
     space = SlotSpace(slot)
@@ -316,10 +318,7 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
             message: Any = state.failure(exc, "", "", batch_index, None)
         else:
             state.link.begin(loader_id, epoch, batch_index)
-            try:
-                message = execute(state, registration, loader_id, epoch, batch_index, seed, work, space)
-            finally:
-                state.link.end()
+            message = execute(state, registration, loader_id, epoch, batch_index, seed, work, space)
         answers.append(message)
     if not state.crosses_process:
         return answers
@@ -371,6 +370,7 @@ def initialize_process_worker(spec: PoolSpec, registrations: list[tuple[int, Pay
             worker_id, row = status.claim_id(spec.incarnations, os.getpid())
         _prepare_process(spec)
         link = _ProcessLink(spec, row)
+        on_result_sent(link.end)
         _PROCESS_STATE = WorkerState(worker_id, spec.num_workers, SharedMemoryWriter(), link, _seed_globals,
                                      crosses_process=True)
         _register_all(_PROCESS_STATE, registrations)

@@ -28,6 +28,9 @@ def _kill_and_wait_for_replacement(pids: list[int], victim: int) -> None:
 def test_a_worker_dying_while_idle_is_reported_once_then_loading_goes_on() -> None:
     with DataLoader(_data.WhoLoads(), batch_size=4, num_workers=2) as loader:
         list(loader)
+        status = loader._engine._backend.core.status
+        # Each worker marks itself idle once its last result is sent: a death now lost nothing.
+        assert wait_until(lambda: all(status.doing(pid) is None for pid in loader.worker_pids()), 5.0)
         victim = loader.worker_pids()[0]
         _kill_and_wait_for_replacement(loader.worker_pids, victim)
         with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) was ended by SIGKILL"):
@@ -52,6 +55,29 @@ def test_a_shared_pool_recovers_from_a_dead_worker_and_gives_the_replacement_its
         by_id.setdefault(worker_id, set()).add(pid)
     assert set(by_id) <= {0, 1} and all(len(pids) == 1 for pids in by_id.values())
     assert len(set().union(*by_id.values())) == len(by_id)  # one pid per id: ids stay unique
+
+
+def test_on_a_shared_pool_a_death_is_reported_to_the_loader_whose_batch_it_held() -> None:
+    with WorkerPool(2) as pool:
+        with DataLoader(_data.Sleepy(slow=2, seconds=30.0), batch_size=2, pool=pool, timeout=30) as stuck, \
+                DataLoader(np.arange(8), batch_size=2, pool=pool, timeout=30) as other:
+            it = iter(stuck)
+            next(it)  # batch 0; a worker goes on to batch 1 and stays in sample 2
+            owner = stuck._engine._loader_id
+
+            def holder() -> int | None:
+                return next((pid for pid in pool.worker_pids() if pool.core.status.doing(pid) == (owner, 0, 1)), None)
+
+            assert wait_until(lambda: holder() is not None, 10.0)
+            victim = holder()
+            _kill_and_wait_for_replacement(pool.worker_pids, victim)
+            # The other loader waits first: the death is not its to report, and it lost nothing.
+            assert torch.cat(list(other)).tolist() == list(range(8))
+            started = time.monotonic()
+            with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) was ended by SIGKILL.*loading batch 1 of "
+                                                                r"epoch 0 for loader"):
+                next(it)
+            assert time.monotonic() - started < 2.0  # promptly, not after its timeout
 
 
 def test_a_hung_worker_on_a_shared_pool_is_replaced_after_the_timeout() -> None:
