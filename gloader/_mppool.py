@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
+import select
 import socket
 import struct
 import termios
@@ -28,6 +29,15 @@ _ARRIVAL_POLL_S = 50e-6
 # waits for room): it is read in pieces, as larger ones are, rather than waited for forever.
 _STALLED_S = 0.02
 
+
+# A result message up to this size goes into the result pipe whole or not at all (POSIX
+# PIPE_BUF). A larger one is written only once the pipe is empty (see _write_whole).
+_ATOMIC_PIPE_BYTES = select.PIPE_BUF
+# The result pipe's capacity is raised to this where the system allows (Linux's default
+# limit for unprivileged users), so results up to it are sent whole.
+_RESULT_PIPE_BYTES = 1 << 20
+# How long a writer sleeps, at most, between looks at a pipe it waits to see empty.
+_DRAIN_POLL_MAX_S = 2e-3
 
 # Runs in a worker after each result it sends (set by its initializer); None in the caller.
 _result_sent: Callable[[], None] | None = None
@@ -91,6 +101,39 @@ def _read_in_pieces(sock: socket.socket, total: int, header: int) -> memoryview:
             raise EOFError("the task socket was closed")
         data += chunk
     return memoryview(data)[header:]
+
+
+def _frame(data: bytes) -> bytes:
+    """`data` with the size header that multiprocess's `Connection.recv_bytes` reads."""
+    size = len(data)
+    header = struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
+    return header + data
+
+
+def _write_whole(fd: int, message: bytes) -> None:
+    """Write one framed message to a pipe so that a writer killed at any point leaves either
+    all of it or none: a partial message would make the reader take the next writer's bytes
+    for the rest of it, and a pool that outlives the death (a shared WorkerPool) would stall.
+
+    The kernel writes up to PIPE_BUF bytes in one piece. A larger write is cut only where it
+    must wait for room, so it waits for an empty pipe first (the caller's result thread reads
+    at once) and then goes in with one write. Messages over the pipe's capacity are the
+    exception: they are written in pieces. Call holding the pipe's write lock.
+    """
+    if len(message) > _ATOMIC_PIPE_BYTES:
+        pause = _ARRIVAL_POLL_S
+        while _queued(fd):
+            time.sleep(pause)
+            pause = min(pause * 2, _DRAIN_POLL_MAX_S)
+    view = memoryview(message)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _queued(fd: int) -> int:
+    found = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, found)
+    return int.from_bytes(found, "little", signed=True)
 
 
 class ProcessLock:
@@ -176,6 +219,10 @@ def _make_queue_class() -> Any:
                     self._rlock = ProcessLock(os.path.join(lock_dir, f"{name}.read.lock"))
                 elif self._wlock is not None:  # type: ignore[has-type]  # None where pipe writes are atomic (Windows)
                     self._wlock = ProcessLock(os.path.join(lock_dir, f"{name}.write.lock"))
+                    try:
+                        fcntl.fcntl(self._writer.fileno(), fcntl.F_SETPIPE_SZ, _RESULT_PIPE_BYTES)
+                    except (OSError, AttributeError):  # above the system's limit, or not Linux
+                        pass
                 self.atomic_reads = atomic_reads
                 self._socket: socket.socket | None = None
                 self._creator = os.getpid()  # the caller; a worker that inherits the queue differs
@@ -204,7 +251,7 @@ def _make_queue_class() -> Any:
                         self._writer.send_bytes(data)
                     else:
                         with self._wlock:
-                            self._writer.send_bytes(data)
+                            _write_whole(self._writer.fileno(), _frame(data))
                 except (BrokenPipeError, ConnectionResetError):
                     if os.getpid() == self._creator:
                         raise

@@ -205,6 +205,47 @@ def test_a_task_larger_than_the_socket_holds_reaches_its_reader_whole(tmp_path, 
         tasks._rlock.close()
 
 
+def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_result(tmp_path) -> None:
+    """A result written in part (its writer killed while waiting for room) would make the
+    reader take the next writer's bytes for the rest of it: a shared pool would stall."""
+    import fcntl
+
+    import multiprocess
+
+    from gloader import _mppool
+    from tests.conftest import wait_until
+
+    ctx = multiprocess.get_context("fork")
+    results = _mppool._make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="results")
+    fd = results._writer.fileno()
+    filler = b"f" * (fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) - 8192)
+    results.put(filler)  # nobody reads yet: the pipe has less room left than the next result needs
+    queued = _mppool._queued(fd)
+    writer = ctx.Process(target=results.put, args=(b"r" * 20000,))
+    writer.start()
+
+    def waits() -> bool:  # in the kernel's pipe write, or sleeping until the pipe has room
+        with open(f"/proc/{writer.pid}/wchan") as handle:
+            where = handle.read()
+        return "pipe_write" in where or "nanosleep" in where
+
+    try:
+        assert wait_until(waits, 10.0)
+        writer.kill()
+        writer.join(10.0)
+        assert _mppool._queued(fd) == queued  # none of its result went in
+        results.put("next")
+        assert results._reader.recv() == filler
+        assert results._reader.recv() == "next"
+    finally:
+        writer.kill()
+        writer.join(10.0)
+        writer.close()
+        results._reader.close()
+        results._writer.close()
+        results._wlock.close()
+
+
 def test_tasks_of_large_cheap_batches_are_grouped_without_stalling_the_pool() -> None:
     """Batches of 900 cheap samples each are grouped many to a task; their keys (7.2 KB a
     batch) once made task messages larger than the task socket holds (~115 KB), and the pool
