@@ -3,6 +3,7 @@ which worker holds their locks. Imports nothing of gloader's; `_pool` supervises
 """
 from __future__ import annotations
 
+import collections
 import fcntl
 import os
 import pickle
@@ -311,8 +312,17 @@ def make_pool_class() -> type:
     class _FastPool(mp_pool.Pool):  # type: ignore[misc]
         def __init__(self, *args: Any, lock_dir: str, **kwargs: Any) -> None:
             self._lock_dir = lock_dir  # where the queues' lock files live; _setup_queues runs inside __init__
+            # Every worker process started, replacements included, until the supervisor takes it.
+            self.started: collections.deque[Any] = collections.deque()
             super().__init__(*args, **kwargs)
             self._cache.__class__ = _QuietCache
+
+        def Process(self, ctx: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - multiprocess's name
+            # multiprocess's own is a staticmethod, but it is only ever called as `self.Process`,
+            # bound here: the pool starts every worker through it.
+            process = ctx.Process(*args, **kwargs)
+            self.started.append(process)
+            return process
 
         def _get_sentinels(self) -> list[Any]:
             return [self._change_notifier._reader]

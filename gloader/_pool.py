@@ -93,8 +93,8 @@ class PoolCore:
         self.start_method = start_method
         self.payload_dir = tempfile.mkdtemp(prefix="gloader-payload-")
         self._closed = False
-        self._watched: list[Any] = []
-        self._noticed: set[Any] = set()  # worker processes whose exit was noticed (or killed on purpose)
+        self._watched: list[Any] = []  # worker processes not yet seen dead
+        self._killed: set[Any] = set()  # worker processes killed on purpose: no death to report
         self._deaths: list[_Death] = []  # noticed, not reported yet
         self._deaths_lock = threading.Lock()  # loaders on a shared pool may wait in different threads
         ctx = multiprocess.get_context(start_method)
@@ -113,7 +113,6 @@ class PoolCore:
             self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
                                            initargs=(self.spec, registrations), context=ctx,
                                            lock_dir=self.payload_dir)
-            self._watched = list(self.pool._pool)
         logger.debug("started %d %s workers (%s)", num_workers, "thread" if is_thread else "process",
                      start_method or "default start method")
 
@@ -153,19 +152,26 @@ class PoolCore:
         return None
 
     def _notice_deaths(self) -> None:
-        running = list(self.pool._pool)
-        for process in running:
-            if process not in self._watched:
-                self._watched.append(process)
+        # Every process the pool starts, from its own record: a replacement that died before
+        # this look is gone from `pool._pool` already, and would be missed there.
+        started = self.pool.started
+        while started:
+            self._watched.append(started.popleft())
+        alive: list[Any] = []
+        dead: list[Any] = []
         for process in self._watched:
+            (alive if process.exitcode is None else dead).append(process)
+        self._watched = alive
+        for process in dead:
             code = process.exitcode
-            if code is None or process in self._noticed:
+            if process in self._killed:
+                self._killed.discard(process)
                 continue
-            self._noticed.add(process)  # noticed once: the pool has replaced it
             if not self._has_started(process.pid):
-                text = (f"gloader worker (pid {process.pid}) exited with code {code} while starting, before it "
-                        "could load anything; under spawn or forkserver the main script is imported again in "
-                        "each worker, so guard it with `if __name__ == '__main__':` (its traceback is on stderr)")
+                text = f"gloader worker (pid {process.pid}) {describe_exit(code)}, while starting" if code < 0 else (
+                    f"gloader worker (pid {process.pid}) exited with code {code} while starting, before it "
+                    "could load anything; under spawn or forkserver the main script is imported again in "
+                    "each worker, so guard it with `if __name__ == '__main__':` (its traceback is on stderr)")
                 self._deaths.append(_Death(text, None))
                 continue
             doing = self.status.doing(process.pid) if self.status is not None else None
@@ -173,9 +179,6 @@ class PoolCore:
             if doing is not None:
                 text += f". It was loading batch {doing[2]} of epoch {doing[1]} for loader {doing[0]}"
             self._deaths.append(_Death(text, None if doing is None else doing[0]))
-        # Once noticed and gone from the pool, a dead worker is never looked at again.
-        self._watched = [process for process in self._watched if process.exitcode is None or process in running]
-        self._noticed.intersection_update(self._watched)
 
     def kill_worker_loading(self, loader_id: int, epoch: int, batch_indices: list[int]) -> int | None:
         """Kill the worker process stuck on one of those batches (a shared pool's hung worker
@@ -187,7 +190,7 @@ class PoolCore:
             if doing is not None and doing[:2] == (loader_id, epoch) and doing[2] in batch_indices:
                 batch_index = doing[2]
                 with self._deaths_lock:
-                    self._noticed.add(process)  # killed on purpose: not a death to report
+                    self._killed.add(process)  # killed on purpose: not a death to report
                 process.kill()
                 logger.warning("killed gloader worker %d: it spent longer than the timeout on batch %d of "
                                "epoch %d for loader %d", process.pid, batch_index, epoch, loader_id)

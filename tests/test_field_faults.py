@@ -57,6 +57,19 @@ def test_a_shared_pool_recovers_from_a_dead_worker_and_gives_the_replacement_its
     assert len(set().union(*by_id.values())) == len(by_id)  # one pid per id: ids stay unique
 
 
+def test_a_replacement_that_dies_before_the_loader_next_looks_is_reported_too() -> None:
+    with WorkerPool(2) as pool, DataLoader(_data.WhoLoads(), batch_size=1, pool=pool) as loader:
+        list(loader)
+        first = pool.worker_pids()[0]
+        _kill_and_wait_for_replacement(pool.worker_pids, first)
+        second = pool.worker_pids()[-1]  # its replacement: the pool appends them
+        _kill_and_wait_for_replacement(pool.worker_pids, second)  # the pool forgot it; nobody looked
+        for victim in (first, second):
+            with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\)"):
+                list(loader)
+        assert len(torch.cat(list(loader))) == 16
+
+
 def test_on_a_shared_pool_a_death_is_reported_to_the_loader_whose_batch_it_held() -> None:
     with WorkerPool(2) as pool:
         with DataLoader(_data.Sleepy(slow=2, seconds=30.0), batch_size=2, pool=pool, timeout=30) as stuck, \
