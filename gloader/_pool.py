@@ -24,7 +24,7 @@ import weakref
 from typing import Any, Callable
 
 from ._checks import check_positive_int, check_start_method
-from ._mppool import make_pool_class
+from ._mppool import ProcessLock, make_pool_class
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._worker import PoolSpec, StatusTable, initialize_process_worker, initialize_thread_worker, run_task
@@ -96,14 +96,19 @@ class PoolCore:
         self._watched: list[Any] = []  # worker processes not yet seen dead
         self._killed: set[Any] = set()  # worker processes killed on purpose: no death to report
         self._deaths: list[_Death] = []  # noticed, not reported yet
-        self._deaths_lock = threading.Lock()  # loaders on a shared pool may wait in different threads
+        self._lock = threading.Lock()  # loaders on a shared pool may wait and leave in different threads
         ctx = multiprocess.get_context(start_method)
         status = None if is_thread else ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
         self.status = None if status is None else StatusTable(status, num_workers)
         incarnations = None if is_thread else ctx.Array("q", [0] * num_workers, lock=False)
-        self.spec = PoolSpec(num_workers=num_workers, counter=ctx.Value("i", 0), status=status,
-                             incarnations=incarnations, main_pid=os.getpid(), payload_dir=self.payload_dir,
-                             generation=ctx.Value("i", 0))
+        # What workers share holds no semaphore: one that a killed worker held would stay taken
+        # (a worker killed while reading a synchronized generation counter blocked the next
+        # loader to leave, and every worker, for good). Ids are claimed under a lock the kernel
+        # releases; the generation is a plain shared int that only this process writes.
+        self._id_lock = None if is_thread else ProcessLock(os.path.join(self.payload_dir, "ids.lock"))
+        self.spec = PoolSpec(num_workers=num_workers, counter=ctx.Value("i", 0) if is_thread else None,
+                             id_lock=self._id_lock, status=status, incarnations=incarnations, main_pid=os.getpid(),
+                             payload_dir=self.payload_dir, generation=ctx.Value("i", 0, lock=False))
         if is_thread:
             from multiprocess.pool import ThreadPool
 
@@ -143,7 +148,7 @@ class PoolCore:
         """
         if self.is_thread or self._closed:
             return None
-        with self._deaths_lock:
+        with self._lock:
             self._notice_deaths()
             for death in self._deaths:
                 if death.owner is None or loader_id is None or death.owner == loader_id:
@@ -189,7 +194,7 @@ class PoolCore:
             doing = self.status.doing(process.pid)
             if doing is not None and doing[:2] == (loader_id, epoch) and doing[2] in batch_indices:
                 batch_index = doing[2]
-                with self._deaths_lock:
+                with self._lock:
                     self._killed.add(process)  # killed on purpose: not a death to report
                 process.kill()
                 logger.warning("killed gloader worker %d: it spent longer than the timeout on batch %d of "
@@ -217,13 +222,13 @@ class PoolCore:
         if self.is_thread:
             unregister_loader(loader_id)
             return
-        with self._deaths_lock:  # deaths of its tasks' workers concern nobody else
+        with self._lock:
+            # Deaths of its tasks' workers concern nobody else.
             self._deaths = [death for death in self._deaths if death.owner != loader_id]
-        try:
-            os.unlink(os.path.join(self.payload_dir, f"{loader_id}.pkl"))
-        except FileNotFoundError:
-            return
-        with self.spec.generation.get_lock():
+            try:
+                os.unlink(os.path.join(self.payload_dir, f"{loader_id}.pkl"))
+            except FileNotFoundError:
+                return
             self.spec.generation.value += 1
 
     def close(self, prompt: bool = False) -> None:
@@ -243,6 +248,8 @@ class PoolCore:
             except BaseException:  # a second Ctrl-C while asking: stop them at once, then re-raise
                 self._close_processes(prompt=True)
                 raise
+        if self._id_lock is not None:
+            self._id_lock.close()
         shutil.rmtree(self.payload_dir, ignore_errors=True)
         logger.debug("stopped %d %s workers", self.num_workers, "thread" if self.is_thread else "process")
 

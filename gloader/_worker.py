@@ -111,7 +111,7 @@ class StatusTable:
         """(worker id, row) for a starting worker: the first id whose last holder is gone.
 
         A replacement for a dead worker takes that worker's id, so ids stay unique (the pool
-        starts it only after reaping the dead one). Call under the pool's counter lock.
+        starts it only after reaping the dead one). Call under the pool's id lock.
         """
         for worker_id in range(self.rows // self.ROWS_PER_WORKER):
             count = incarnations[worker_id]
@@ -152,12 +152,13 @@ class PoolSpec:
     """Everything a pool's workers share; passed to the initializer once per worker."""
 
     num_workers: int
-    counter: Any  # a synchronized int: hands out thread worker ids; its lock guards id claims
+    counter: Any  # thread pools: a synchronized int handing out worker ids; None for processes
+    id_lock: Any  # process pools: the ProcessLock that worker id claims are made under; None for threads
     status: Any  # shared int64 array of StatusTable.cells(num_workers); None for threads
     incarnations: Any  # shared int array: processes started so far per worker id; None for threads
     main_pid: int
     payload_dir: str  # payload files of loaders that join the running pool
-    generation: Any  # synchronized int, bumped when a loader leaves the pool
+    generation: Any  # shared int (without a lock), bumped by the caller when a loader leaves the pool
 
 
 class _LocalLink:
@@ -366,7 +367,7 @@ def initialize_process_worker(spec: PoolSpec, registrations: list[tuple[int, Pay
     global _PROCESS_STATE
     try:
         status = StatusTable(spec.status, spec.num_workers)
-        with spec.counter.get_lock():
+        with spec.id_lock:
             worker_id, row = status.claim_id(spec.incarnations, os.getpid())
         _prepare_process(spec)
         link = _ProcessLink(spec, row)

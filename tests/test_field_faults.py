@@ -291,6 +291,36 @@ def test_a_shared_pool_goes_on_after_a_process_died_holding_the_result_queue_loc
             assert torch.cat(list(loader)).tolist() == [0, 1, 2, 3]  # the kernel freed the lock: loading goes on
 
 
+def test_a_shared_pool_goes_on_after_a_process_died_holding_the_worker_id_lock() -> None:
+    # A worker claims its id under this lock as it starts; replacements are often killed then.
+    import multiprocess
+
+    with WorkerPool(1) as pool:
+        with DataLoader(np.arange(4), batch_size=2, pool=pool, timeout=10) as loader:
+            list(loader)
+            held = pool.core.spec.id_lock
+            taken = multiprocess.get_context("fork").Event()
+            holder = multiprocess.get_context("fork").Process(target=_data.hold_lock_forever, args=(held, taken))
+            holder.start()
+            assert taken.wait(10.0)
+            assert not held.acquire(block=False)
+            holder.kill()
+            holder.join(10.0)
+            victim = pool.worker_pids()[0]
+            _kill_and_wait_for_replacement_of_one(pool.worker_pids, victim)
+            with pytest.raises(gloader.WorkerExitedError, match=f"pid {victim}"):
+                list(loader)
+            assert torch.cat(list(loader)).tolist() == [0, 1, 2, 3]  # the replacement claimed its id
+
+
+def test_what_workers_share_holds_no_lock_a_killed_worker_could_keep() -> None:
+    with WorkerPool(1) as pool:
+        spec = pool.core.spec
+        shared = [spec.generation, spec.status, spec.incarnations]
+        assert not any(hasattr(value, "get_lock") for value in shared)  # plain shared memory
+        assert spec.counter is None  # thread ids only; process ids are claimed under the id lock
+
+
 def _kill_and_wait_for_replacement_of_one(pids, victim: int) -> None:
     os.kill(victim, signal.SIGKILL)
     assert wait_until(lambda: victim not in pids() and len(pids()) == 1, 10.0)
