@@ -14,7 +14,7 @@ import termios
 import time
 from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "make_pool_class", "on_result_sent"]
+__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "make_pool_class", "on_result_sent", "on_task_taken"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
@@ -40,8 +40,17 @@ _RESULT_PIPE_BYTES = 1 << 20
 # How long a writer sleeps, at most, between looks at a pipe it waits to see empty.
 _DRAIN_POLL_MAX_S = 2e-3
 
-# Runs in a worker after each result it sends (set by its initializer); None in the caller.
+# Run in a worker with each task it is about to take, and after each result it sends (set
+# by its initializer); None in the caller.
+_task_taken: Callable[[Any], None] | None = None
 _result_sent: Callable[[], None] | None = None
+
+
+def on_task_taken(callback: Callable[[Any], None] | None) -> None:
+    """Have this worker process call `callback(task)` with each task just before taking it
+    from the task queue (tasks read in pieces, over ATOMIC_TASK_BYTES, just after)."""
+    global _task_taken
+    _task_taken = callback
 
 
 def on_result_sent(callback: Callable[[], None] | None) -> None:
@@ -57,12 +66,16 @@ def _available(sock: socket.socket) -> int:
     return int.from_bytes(found, "little", signed=True)
 
 
-def _take_message(sock: socket.socket) -> bytes | memoryview:
+def _take_message(sock: socket.socket, claim: Callable[[memoryview], None] | None = None) -> bytes | memoryview:
     """One message of the pool's framing (a 4-byte size, or -1 and an 8-byte size, then the
     bytes) taken whole by a single read, so that a reader killed at any point leaves the
     stream at a message boundary: it only peeks until the whole message is there. Messages
     over ATOMIC_TASK_BYTES, and any that stops arriving before it is whole (the socket is
-    full), are read in pieces instead."""
+    full), are read in pieces instead.
+
+    `claim(message)` sees a whole message before it is taken, so that a worker can say which
+    task it holds before the task leaves the socket: killed between the two, it has claimed a
+    task that is still there, which costs a needless error, never a lost task unreported."""
     while True:
         head = sock.recv(12, socket.MSG_PEEK)
         if not head:
@@ -87,6 +100,8 @@ def _take_message(sock: socket.socket) -> bytes | memoryview:
             arrived, since = now, time.monotonic()
         elif time.monotonic() - since > _STALLED_S:
             return _read_in_pieces(sock, total, header)  # it does not fit: waiting would never end
+    if claim is not None:
+        claim(memoryview(sock.recv(total, socket.MSG_PEEK))[header:])
     whole = sock.recv(total)  # all of it is there: one read takes it whole
     if len(whole) != total:  # pragma: no cover - the kernel returns what is queued, up to total
         raise OSError(f"read {len(whole)} of a {total}-byte task message")
@@ -238,9 +253,21 @@ def _make_queue_class() -> Any:
                 return self._socket
 
             def get(self) -> Any:
+                taken: list[Any] = []
+
+                def claim(message: memoryview) -> None:
+                    taken.append(_ForkingPickler.loads(message))
+                    if _task_taken is not None:
+                        _task_taken(taken[0])
+
                 with self._rlock:
-                    data = _take_message(self._reading_socket()) if self.atomic_reads else self._reader.recv_bytes()
-                return _ForkingPickler.loads(data)
+                    if self.atomic_reads:
+                        data = _take_message(self._reading_socket(), claim if _task_taken is not None else None)
+                        if _task_taken is not None and not taken:  # read in pieces: claimed once read
+                            claim(memoryview(data))
+                    else:
+                        data = self._reader.recv_bytes()
+                return taken[0] if taken else _ForkingPickler.loads(data)
 
             def put(self, obj: Any) -> None:
                 try:  # a result (ids and bytes): the stdlib pickler takes 0.3 us, dill's 10

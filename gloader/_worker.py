@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -30,7 +31,7 @@ from typing import Any, Callable, ContextManager
 
 from . import _registry
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
-from ._mppool import on_result_sent
+from ._mppool import on_result_sent, on_task_taken
 from ._protocol import WorkerFailure, encode, encode_answers
 from ._registry import Payload, Registration
 from ._seed import seed_global_rng
@@ -307,7 +308,8 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
         failure = WorkerFailure("builtins.RuntimeError", "gloader worker was not initialized", "", "",
                                 batches[0][0], None, -1, os.getpid(), None)
         return encode_answers([failure] * len(batches))
-    # The task is the worker's from here until its result is sent (see `_ProcessLink`).
+    # The task is the worker's until its result is sent (see `_ProcessLink`); process workers
+    # marked it already, as they took it from the task queue.
     state.link.begin(loader_id, epoch, batches[0][0])
     registration = state.link.find(loader_id, state)
     answers: list[Any] = []
@@ -371,12 +373,21 @@ def initialize_process_worker(spec: PoolSpec, registrations: list[tuple[int, Pay
             worker_id, row = status.claim_id(spec.incarnations, os.getpid())
         _prepare_process(spec)
         link = _ProcessLink(spec, row)
+        on_task_taken(functools.partial(_claim_task, link))
         on_result_sent(link.end)
         _PROCESS_STATE = WorkerState(worker_id, spec.num_workers, SharedMemoryWriter(), link, _seed_globals,
                                      crosses_process=True)
         _register_all(_PROCESS_STATE, registrations)
     except BaseException:  # pragma: no cover - last resort; the first task reports the loader as missing
         logger.exception("gloader worker initialization failed")
+
+
+def _claim_task(link: _ProcessLink, task: Any) -> None:
+    """Mark a task of the pool's worker loop, `(job, i, func, args, kwargs)`, as this worker's
+    before it takes it (the stop sentinel, None, is no task)."""
+    if isinstance(task, tuple) and len(task) == 5 and task[2] is run_task:
+        loader_id, epoch, batches = task[3][:3]
+        link.begin(loader_id, epoch, batches[0][0])
 
 
 def _prepare_process(spec: PoolSpec) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import platform
 import subprocess
 import sys
@@ -167,6 +168,46 @@ def test_a_task_reader_killed_mid_message_leaves_the_whole_task_for_the_next_rea
         reader.join(10.0)
         os.write(tasks._writer.fileno(), framed[len(framed) // 2:])
         assert tasks.get() == task  # nothing of it was taken by the dead reader, and its lock is free
+    finally:
+        reader.kill()
+        reader.join(10.0)
+        reader.close()
+        for end in (tasks._reader, tasks._writer, tasks._socket):
+            if end is not None:
+                end.close()
+        tasks._rlock.close()
+
+
+def _claim_then_die(tasks, record: str) -> None:
+    from gloader import _mppool
+
+    def claim(task) -> None:
+        with open(record, "w") as handle:
+            handle.write(repr(task))
+        os._exit(0)  # killed between claiming the task and taking it
+
+    _mppool.on_task_taken(claim)
+    tasks.get()
+
+
+def test_a_worker_claims_a_task_before_taking_it_so_a_death_between_loses_nothing(tmp_path) -> None:
+    """A worker says which task it holds before the task leaves the socket: a death in
+    between can name a task it did not take, but never take one unnamed."""
+    import multiprocess
+
+    from gloader._mppool import _make_queue_class
+
+    ctx = multiprocess.get_context("fork")
+    tasks = _make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
+    task = ("task", 7, [1, 2, 3])
+    tasks._writer.send_bytes(pickle.dumps(task))
+    reader = ctx.Process(target=_claim_then_die, args=(tasks, str(tmp_path / "claimed")))
+    reader.start()
+    try:
+        reader.join(10.0)
+        assert reader.exitcode == 0
+        assert (tmp_path / "claimed").read_text() == repr(task)  # it saw the whole task first
+        assert tasks.get() == task  # and the task is still there for the next worker
     finally:
         reader.kill()
         reader.join(10.0)
