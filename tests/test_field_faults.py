@@ -268,19 +268,22 @@ def test_holding_many_batches_needs_no_file_descriptor_each() -> None:
         assert torch.cat(held).flatten().tolist() == list(range(1200))
 
 
-def test_a_shared_pool_goes_on_after_a_process_died_holding_the_result_queue_lock() -> None:
-    # (An idle worker waits for tasks holding the task queue's read lock: the tests that kill
-    # idle workers cover that lock.)
+@pytest.mark.parametrize("which", ["result queue", "worker id"])
+def test_a_shared_pool_goes_on_after_a_process_died_holding_one_of_its_locks(which: str) -> None:
+    # A worker sends each result holding the result queue's write lock, and claims its id
+    # under the id lock as it starts (replacements are often killed then). (An idle worker
+    # waits for tasks holding the task queue's read lock: the tests that kill idle workers
+    # cover that lock.)
     import multiprocess
 
     with WorkerPool(1) as pool:
         with DataLoader(np.arange(4), batch_size=2, pool=pool, timeout=10) as loader:
             list(loader)
-            held = pool.core.pool._outqueue._wlock
+            held = pool.core.pool._outqueue._wlock if which == "result queue" else pool.core.spec.id_lock
             taken = multiprocess.get_context("fork").Event()
             holder = multiprocess.get_context("fork").Process(target=_data.hold_lock_forever, args=(held, taken))
             holder.start()
-            assert taken.wait(10.0)  # held as by a worker killed while sending a result
+            assert taken.wait(10.0)  # held as by a worker killed there
             assert not held.acquire(block=False)
             holder.kill()
             holder.join(10.0)
@@ -289,28 +292,6 @@ def test_a_shared_pool_goes_on_after_a_process_died_holding_the_result_queue_loc
             with pytest.raises(gloader.WorkerExitedError, match=f"pid {victim}"):
                 list(loader)
             assert torch.cat(list(loader)).tolist() == [0, 1, 2, 3]  # the kernel freed the lock: loading goes on
-
-
-def test_a_shared_pool_goes_on_after_a_process_died_holding_the_worker_id_lock() -> None:
-    # A worker claims its id under this lock as it starts; replacements are often killed then.
-    import multiprocess
-
-    with WorkerPool(1) as pool:
-        with DataLoader(np.arange(4), batch_size=2, pool=pool, timeout=10) as loader:
-            list(loader)
-            held = pool.core.spec.id_lock
-            taken = multiprocess.get_context("fork").Event()
-            holder = multiprocess.get_context("fork").Process(target=_data.hold_lock_forever, args=(held, taken))
-            holder.start()
-            assert taken.wait(10.0)
-            assert not held.acquire(block=False)
-            holder.kill()
-            holder.join(10.0)
-            victim = pool.worker_pids()[0]
-            _kill_and_wait_for_replacement_of_one(pool.worker_pids, victim)
-            with pytest.raises(gloader.WorkerExitedError, match=f"pid {victim}"):
-                list(loader)
-            assert torch.cat(list(loader)).tolist() == [0, 1, 2, 3]  # the replacement claimed its id
 
 
 def test_what_workers_share_holds_no_lock_a_killed_worker_could_keep() -> None:

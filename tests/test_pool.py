@@ -172,10 +172,14 @@ def test_a_task_reader_killed_mid_message_leaves_the_whole_task_for_the_next_rea
         reader.kill()
         reader.join(10.0)
         reader.close()
-        for end in (tasks._reader, tasks._writer, tasks._socket):
-            if end is not None:
-                end.close()
-        tasks._rlock.close()
+        _close_task_queue(tasks)
+
+
+def _close_task_queue(tasks) -> None:
+    for end in (tasks._reader, tasks._writer, tasks._socket):
+        if end is not None:
+            end.close()
+    tasks._rlock.close()
 
 
 def _claim_then_die(tasks, record: str) -> None:
@@ -212,10 +216,7 @@ def test_a_worker_claims_a_task_before_taking_it_so_a_death_between_loses_nothin
         reader.kill()
         reader.join(10.0)
         reader.close()
-        for end in (tasks._reader, tasks._writer, tasks._socket):
-            if end is not None:
-                end.close()
-        tasks._rlock.close()
+        _close_task_queue(tasks)
 
 
 @pytest.mark.parametrize("atomic_bytes", [None, 1 << 20], ids=["default", "waits-for-whole-messages-up-to-1MiB"])
@@ -240,10 +241,7 @@ def test_a_task_larger_than_the_socket_holds_reaches_its_reader_whole(tmp_path, 
         writer.join(10.0)
         assert not writer.is_alive()
     finally:
-        for end in (tasks._reader, tasks._writer, tasks._socket):
-            if end is not None:
-                end.close()
-        tasks._rlock.close()
+        _close_task_queue(tasks)
 
 
 def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_result(tmp_path) -> None:
