@@ -60,9 +60,10 @@ def on_result_sent(callback: Callable[[], None] | None) -> None:
     _result_sent = callback
 
 
-def _available(sock: socket.socket) -> int:
+def _available(fd: int) -> int:
+    """Bytes waiting to be read from a socket or pipe."""
     found = bytearray(4)
-    fcntl.ioctl(sock.fileno(), termios.FIONREAD, found)
+    fcntl.ioctl(fd, termios.FIONREAD, found)
     return int.from_bytes(found, "little", signed=True)
 
 
@@ -92,10 +93,10 @@ def _take_message(sock: socket.socket, claim: Callable[[memoryview], None] | Non
     total = header + size
     if total > ATOMIC_TASK_BYTES:
         return _read_in_pieces(sock, total, header)
-    arrived, since = _available(sock), time.monotonic()
+    arrived, since = _available(sock.fileno()), time.monotonic()
     while arrived < total:
         time.sleep(_ARRIVAL_POLL_S)
-        now = _available(sock)
+        now = _available(sock.fileno())
         if now > arrived:
             arrived, since = now, time.monotonic()
         elif time.monotonic() - since > _STALLED_S:
@@ -138,18 +139,12 @@ def _write_whole(fd: int, message: bytes) -> None:
     """
     if len(message) > _ATOMIC_PIPE_BYTES:
         pause = _ARRIVAL_POLL_S
-        while _queued(fd):
+        while _available(fd):
             time.sleep(pause)
             pause = min(pause * 2, _DRAIN_POLL_MAX_S)
     view = memoryview(message)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _queued(fd: int) -> int:
-    found = bytearray(4)
-    fcntl.ioctl(fd, termios.FIONREAD, found)
-    return int.from_bytes(found, "little", signed=True)
 
 
 class ProcessLock:

@@ -308,9 +308,6 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
         failure = WorkerFailure("builtins.RuntimeError", "gloader worker was not initialized", "", "",
                                 batches[0][0], None, -1, os.getpid(), None)
         return encode_answers([failure] * len(batches))
-    # The task is the worker's until its result is sent (see `_ProcessLink`); process workers
-    # marked it already, as they took it from the task queue.
-    state.link.begin(loader_id, epoch, batches[0][0])
     registration = state.link.find(loader_id, state)
     answers: list[Any] = []
     space = SlotSpace(slot)

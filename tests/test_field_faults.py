@@ -70,6 +70,18 @@ def test_a_replacement_that_dies_before_the_loader_next_looks_is_reported_too() 
         assert len(torch.cat(list(loader))) == 16
 
 
+def test_a_worker_killed_while_starting_is_described_by_its_signal(monkeypatch) -> None:
+    with WorkerPool(1) as pool, DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
+        list(loader)
+        monkeypatch.setattr(pool.core, "_has_started", lambda pid: False)  # as if it died before claiming an id
+        victim = pool.worker_pids()[0]
+        _kill_and_wait_for_replacement_of_one(pool.worker_pids, victim)
+        with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) was ended by SIGKILL.*, while starting") \
+                as info:
+            list(loader)
+        assert "__main__" not in str(info.value)  # not the advice for a script that fails on import
+
+
 def test_on_a_shared_pool_a_death_is_reported_to_the_loader_whose_batch_it_held() -> None:
     with WorkerPool(2) as pool:
         with DataLoader(_data.Sleepy(slow=2, seconds=30.0), batch_size=2, pool=pool, timeout=30) as stuck, \

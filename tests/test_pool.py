@@ -259,7 +259,7 @@ def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_res
     fd = results._writer.fileno()
     filler = b"f" * (fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) - 8192)
     results.put(filler)  # nobody reads yet: the pipe has less room left than the next result needs
-    queued = _mppool._queued(fd)
+    queued = _mppool._available(fd)
     writer = ctx.Process(target=results.put, args=(b"r" * 20000,))
     writer.start()
 
@@ -272,7 +272,7 @@ def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_res
         assert wait_until(waits, 10.0)
         writer.kill()
         writer.join(10.0)
-        assert _mppool._queued(fd) == queued  # none of its result went in
+        assert _mppool._available(fd) == queued  # none of its result went in
         results.put("next")
         assert results._reader.recv() == filler
         assert results._reader.recv() == "next"
