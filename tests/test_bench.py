@@ -2,6 +2,7 @@
 figures, and rejects bad arguments. Speed itself is measured by running it, not here."""
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import re
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from gloader import bench
-from gloader.bench import cli
+from gloader.bench import cli, peers
 from gloader.bench.device import report_device
 
 pytestmark = pytest.mark.timeout(180)
@@ -146,3 +147,48 @@ def test_every_round_builds_each_loader_anew_and_closes_it_after_its_turn() -> N
     assert log == ["built a", "closed a", "built b", "closed b",  # the order turns each round
                    "built b", "closed b", "built a", "closed a",
                    "built a", "closed a", "built b", "closed b"]
+
+
+class _Indexed:
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, idx: int) -> int:
+        return idx
+
+
+def test_the_compute_ceiling_loads_batches_in_its_workers_and_ends_them_on_close() -> None:
+    ceiling = peers.ComputeCeiling(_Indexed(), 8, 2)
+    workers = list(ceiling._workers)
+    try:
+        got = list(itertools.islice(iter(ceiling), 20))  # more than the 8 of one epoch: they go on
+        assert got == [None] * 20 and all(w.is_alive() for w in workers)
+    finally:
+        ceiling.close()
+    assert all(not w.is_alive() for w in workers) and ceiling._workers == []
+
+
+def test_the_compute_ceiling_names_its_workers_exit_codes_when_they_stop_loading(monkeypatch) -> None:
+    monkeypatch.setattr(peers, "_CEILING_WAIT_S", 2.0)
+    ceiling = peers.ComputeCeiling(list(range(5)), 8, 1)  # not one whole batch: the worker ends at once
+    try:
+        ceiling._workers[0].join(30)
+        with pytest.raises(RuntimeError, match=r"the ceiling's workers loaded no batch in 2 s \(exit codes \[0\]\)"):
+            next(iter(ceiling))
+    finally:
+        ceiling.close()
+
+
+def test_the_report_gives_the_ceiling_over_torch_from_each_rounds_times() -> None:
+    # Round times (s): gloader 1.0 and 2.0, torch 1.5 and 2.2, ceiling 0.9 and 2.0.
+    ratios = {"torch": [1.5, 1.1], "ceiling": [0.9, 1.0]}
+    samples = {"gloader": [100.0, 50.0], "torch": [66.7, 45.5], "ceiling": [111.1, 50.0]}
+    results = {"rounds": 2, "W8": {"title": "t", "samples_per_s": samples, "mb_per_s": samples, "ratio": [1.5, 1.1],
+                                   "ratios": ratios, "skipped_peers": {}}}
+    lines = bench.report(results).splitlines()
+    row = next(line for line in lines if line.startswith("| W8 |"))
+    assert "skipped: not measured here" in row.split("|")[3]  # in-process: not a W8 peer
+    assert float(row.split("|")[-2].split("(**")[1].rstrip("x*) ")) == pytest.approx(0.95)  # gloader / ceiling
+    bound = next(line for line in lines if line.startswith("Ceiling / torch"))
+    # 1.5 / 0.9 = 1.67 and 1.1 / 1.0 = 1.10: their median is 1.38
+    assert bound.endswith("W8 1.38 (1.10-1.67)x")

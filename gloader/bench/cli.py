@@ -10,7 +10,9 @@ loaders before it are idle, then takes some batches untimed (workers start, memo
 allocated), then the timed ones. The report gives medians and min-max over the rounds.
 Peers beside torch on W1-W3: the loop a user writes without workers, gloader with one
 worker, and tensorpack's MultiProcessRunnerZMQ with two (W1, W2; skipped with a message when
-tensorpack is not installed).
+tensorpack is not installed). On W3 and W8, the compute ceiling: two processes that load
+each batch's samples and drop them (no batching, no transfer), the most any loader with two
+workers can deliver here.
 
 Workloads:
     W1 tiny: samples of float32[16] + int, batch 256, shuffle.
@@ -57,7 +59,7 @@ from .datasets import (
     huggingface_table,
     write_jpeg_folder,
 )
-from .peers import InProcessLoop, TensorpackLoop, has_tensorpack
+from .peers import ComputeCeiling, InProcessLoop, TensorpackLoop, has_tensorpack
 
 __all__ = ["main", "plot", "report", "run"]
 
@@ -74,7 +76,7 @@ _SETTLE_DEADLINE_S = 30.0
 
 # Peers measured beside gloader (nw=2) and torch (nw=2, persistent workers), per workload.
 _PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack"), "W2": ("in-process", "gloader nw=1", "tensorpack"),
-          "W3": ("in-process", "gloader nw=1")}
+          "W3": ("in-process", "gloader nw=1", "ceiling"), "W8": ("ceiling",)}
 _SCALING = ("W3", "W8")
 _SCALING_WORKERS = (1, 2, 4)
 
@@ -108,6 +110,8 @@ def _make_peer(name: str, dataset: Any, batch_size: int) -> Any:
         return _gloader(dataset, batch_size, 1)
     if name == "in-process":
         return InProcessLoop(dataset, batch_size)
+    if name == "ceiling":
+        return ComputeCeiling(dataset, batch_size, _WORKERS)
     return TensorpackLoop(dataset, batch_size, _WORKERS)
 
 
@@ -376,7 +380,7 @@ def _report_peers(results: dict[str, Any]) -> list[str]:
     rows = [name for name in _PEERS if name in results and "ratios" in results[name]]
     if not rows:
         return []
-    peers = ["in-process", "gloader nw=1", "tensorpack"]
+    peers = ["in-process", "gloader nw=1", "tensorpack", "ceiling"]
     lines = ["", "Peers beside torch, samples/s (gloader nw=2 / peer); median (min-max) over the rounds", "",
              "| workload | gloader nw=2 | " + " | ".join(peers) + " |", "|---|---|" + "---|" * len(peers)]
     for name in rows:
@@ -388,6 +392,13 @@ def _report_peers(results: dict[str, Any]) -> list[str]:
             else:
                 cells.append(f"skipped: {res['skipped_peers'].get(peer, 'not measured here')}")
         lines.append(f"| {name} | {_summary(res['samples_per_s']['gloader'])} | " + " | ".join(cells) + " |")
+    bounds = []
+    for name in rows:
+        ratios = results[name]["ratios"]
+        if "ceiling" in ratios:  # per round: (t_torch / t_gloader) / (t_ceiling / t_gloader)
+            bounds.append(f"{name} {_summary([th / ce for th, ce in zip(ratios['torch'], ratios['ceiling'])]).strip()}x")
+    if bounds:
+        lines += ["", f"Ceiling / torch nw={_WORKERS}, the most any loader can lead torch by here: " + ", ".join(bounds)]
     return lines
 
 

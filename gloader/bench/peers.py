@@ -1,15 +1,19 @@
 """The benchmark's other peers, beside torch's DataLoader: the loop a user writes without
-workers, and tensorpack's `MultiProcessRunnerZMQ` (optional: skipped when not installed).
+workers, tensorpack's `MultiProcessRunnerZMQ` (optional: skipped when not installed), and the
+compute ceiling (worker processes that load the samples and drop them).
 
-Each is an iterable whose `iter()` gives batches of torch tensors, like a DataLoader, and has
-`close()`.
+Each is an iterable whose `iter()` gives batches (of torch tensors, like a DataLoader, except
+the ceiling's, which are placeholders) and has `close()`.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import io
 import logging
+import multiprocessing
+import queue
 from typing import Any, Iterator
 
 import numpy as np
@@ -17,7 +21,7 @@ import torch
 
 from gloader.batchify import default_batchify_fn
 
-__all__ = ["InProcessLoop", "TensorpackLoop", "has_tensorpack"]
+__all__ = ["ComputeCeiling", "InProcessLoop", "TensorpackLoop", "has_tensorpack"]
 
 
 class InProcessLoop:
@@ -35,6 +39,66 @@ class InProcessLoop:
 
     def close(self) -> None:
         pass
+
+
+# How long the ceiling's caller waits for one batch before it gives up (a worker died).
+_CEILING_WAIT_S = 120.0
+
+
+def _keep_freed_memory() -> None:
+    """glibc malloc as gloader's workers set it: freed memory is kept for the next sample."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def _drop_samples(dataset: Any, batch_size: int, seed: int, done: Any) -> None:
+    if len(dataset) < batch_size:
+        return  # not one whole batch to load: the caller's wait names the exit code
+    _keep_freed_memory()
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(dataset)).tolist()
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            for k in order[start:start + batch_size]:
+                dataset[k]
+            done.put(None)
+
+
+class ComputeCeiling:
+    """The most that any loader with `num_workers` processes can deliver on this machine:
+    each process loads the samples of its batches (`dataset[k]`, shuffled keys) and drops
+    them; only a note per batch comes back, with no batching, no copy and no transfer. The
+    processes keep freed memory as gloader's workers do, so what they measure is the
+    dataset's own cost. `iter()` gives one None per batch loaded."""
+
+    def __init__(self, dataset: Any, batch_size: int, num_workers: int) -> None:
+        context = multiprocessing.get_context()
+        self._done = context.Queue(maxsize=2 * num_workers)  # as deep as gloader's window
+        self._workers = [context.Process(target=_drop_samples, args=(dataset, batch_size, seed, self._done),
+                                         daemon=True) for seed in range(num_workers)]
+        for worker in self._workers:
+            worker.start()
+
+    def __iter__(self) -> Iterator[None]:
+        while True:
+            try:
+                yield self._done.get(timeout=_CEILING_WAIT_S)
+            except queue.Empty:
+                raise RuntimeError(f"the ceiling's workers loaded no batch in {_CEILING_WAIT_S:.0f} s (exit codes "
+                                   f"{[w.exitcode for w in self._workers]})") from None
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.terminate()
+        for worker in self._workers:
+            worker.join(10)
+        self._done.close()
+        self._done.cancel_join_thread()  # the caller put nothing: no feeder to wait for
+        self._workers = []
 
 
 def has_tensorpack() -> bool:
