@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import itertools
 import os
 import pickle
 import select
@@ -35,10 +36,14 @@ _STALLED_S = 0.02
 # PIPE_BUF). A larger one is written only once the pipe is empty (see _write_whole).
 _ATOMIC_PIPE_BYTES = select.PIPE_BUF
 # The result pipe's capacity is raised to this where the system allows (Linux's default
-# limit for unprivileged users), so results up to it are sent whole.
+# limit for unprivileged users): results up to it go in the pipe whole, larger ones (a batch
+# that did not fit its slot) through a file (see _spill).
 _RESULT_PIPE_BYTES = 1 << 20
 # How long a writer sleeps, at most, between looks at a pipe it waits to see empty.
 _DRAIN_POLL_MAX_S = 2e-3
+# The result pipe's capacity assumed where the system cannot tell it (not Linux): results
+# larger than the capacity go through a file (see _spill).
+_DEFAULT_PIPE_BYTES = 16 * 1024
 
 # Run in a worker with each task it is about to take, and after each result it sends (set
 # by its initializer); None in the caller.
@@ -134,8 +139,8 @@ def _write_whole(fd: int, message: bytes) -> None:
 
     The kernel writes up to PIPE_BUF bytes in one piece. A larger write is cut only where it
     must wait for room, so it waits for an empty pipe first (the caller's result thread reads
-    at once) and then goes in with one write. Messages over the pipe's capacity are the
-    exception: they are written in pieces. Call holding the pipe's write lock.
+    at once) and then goes in with one write; a message must fit the pipe's capacity (larger
+    results go through a file, see _spill). Call holding the pipe's write lock.
     """
     if len(message) > _ATOMIC_PIPE_BYTES:
         pause = _ARRIVAL_POLL_S
@@ -145,6 +150,41 @@ def _write_whole(fd: int, message: bytes) -> None:
     view = memoryview(message)
     while view:
         view = view[os.write(fd, view):]
+
+
+_spilled = itertools.count()
+
+
+class _Spilled:
+    """A result written to a file; unpickled, it reads the file, removes it and is the result."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_load_spilled, (self.path,))
+
+
+def _load_spilled(path: str) -> Any:
+    from multiprocess.queues import _ForkingPickler
+
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    finally:
+        os.unlink(path)
+    return _ForkingPickler.loads(data)
+
+
+def _spill(data: bytes, directory: str) -> bytes:
+    """Write a result too large for the pipe to go in whole into a file of the pool's own
+    directory, and return the small message that stands for it. A writer killed while it
+    writes the file has put nothing into the pipe (the file goes with the directory when the
+    pool closes); the message it sends after is under PIPE_BUF, written whole."""
+    path = os.path.join(directory, f"result-{os.getpid()}-{next(_spilled)}.pkl")
+    with open(path, "wb") as file:
+        file.write(data)
+    return pickle.dumps(_Spilled(path), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class ProcessLock:
@@ -170,10 +210,11 @@ class ProcessLock:
         self._path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
 
-    def close(self) -> None:
-        """Close the descriptor (which drops this process's hold on the lock, if any)."""
+    def close(self, _os_close: Callable[[int], None] = os.close) -> None:
+        """Close the descriptor (which drops this process's hold on the lock, if any).
+        (`os.close` is bound early: at interpreter exit, `__del__` may run after `os` is gone.)"""
         if self._fd >= 0:
-            os.close(self._fd)
+            _os_close(self._fd)
             self._fd = -1
 
     def __del__(self) -> None:
@@ -234,13 +275,19 @@ def _make_queue_class() -> Any:
                         fcntl.fcntl(self._writer.fileno(), fcntl.F_SETPIPE_SZ, _RESULT_PIPE_BYTES)
                     except (OSError, AttributeError):  # above the system's limit, or not Linux
                         pass
+                try:
+                    self._pipe_bytes = fcntl.fcntl(self._writer.fileno(), fcntl.F_GETPIPE_SZ)
+                except (OSError, AttributeError):
+                    self._pipe_bytes = _DEFAULT_PIPE_BYTES
+                self._spill_dir = lock_dir
                 self.atomic_reads = atomic_reads
                 self._socket: socket.socket | None = None
                 self._creator = os.getpid()  # the caller; a worker that inherits the queue differs
 
             def __reduce__(self) -> Any:  # for spawned workers: rebuilt by a module-level function
                 context.assert_spawning(self)
-                return (_rebuild_queue, ((self._reader, self._writer, self._rlock, self._wlock), self.atomic_reads))
+                return (_rebuild_queue, ((self._reader, self._writer, self._rlock, self._wlock, self._pipe_bytes,
+                                          self._spill_dir), self.atomic_reads))
 
             def _reading_socket(self) -> socket.socket:
                 if self._socket is None:  # a duplicate of the reader's descriptor, made once per process
@@ -273,8 +320,11 @@ def _make_queue_class() -> Any:
                     if self._wlock is None:
                         self._writer.send_bytes(data)
                     else:
+                        message = _frame(data)
+                        if len(message) > self._pipe_bytes:  # it could not go in whole: a file takes it
+                            message = _frame(_spill(data, self._spill_dir))
                         with self._wlock:
-                            _write_whole(self._writer.fileno(), _frame(data))
+                            _write_whole(self._writer.fileno(), message)
                 except (BrokenPipeError, ConnectionResetError):
                     if os.getpid() == self._creator:
                         raise
@@ -294,7 +344,7 @@ _TrackedQueue: Any = None
 def _rebuild_queue(state: Any, atomic_reads: bool) -> Any:
     cls = _make_queue_class()
     queue = cls.__new__(cls)
-    (queue._reader, queue._writer, queue._rlock, queue._wlock) = state
+    (queue._reader, queue._writer, queue._rlock, queue._wlock, queue._pipe_bytes, queue._spill_dir) = state
     queue._poll = queue._reader.poll
     queue.atomic_reads, queue._socket, queue._creator = atomic_reads, None, None
     return queue

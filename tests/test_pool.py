@@ -285,6 +285,46 @@ def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_res
         results._wlock.close()
 
 
+def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_written_whole(tmp_path) -> None:
+    """Written into the pipe, a result over its capacity would go in pieces (the writer
+    waits for room), and a writer killed between two would leave part of it there."""
+    import fcntl
+    import select
+
+    import multiprocess
+
+    from gloader import _mppool
+
+    ctx = multiprocess.get_context("fork")
+    results = _mppool._make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="results")
+    fd = results._writer.fileno()
+    big = bytes(range(256)) * (fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) // 128)  # twice what the pipe holds
+    writer = ctx.Process(target=results.put, args=(big,))
+    writer.start()
+    try:
+        writer.join(10.0)
+        assert writer.exitcode == 0  # nobody reads yet: all it put in the pipe fitted
+        assert 0 < _mppool._available(fd) <= select.PIPE_BUF  # one small message, written whole
+        assert results._reader.recv() == big
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["results.write.lock"]  # the file is gone
+    finally:
+        writer.kill()
+        writer.join(10.0)
+        writer.close()
+        results._reader.close()
+        results._writer.close()
+        results._wlock.close()
+
+
+def test_a_result_queue_left_open_at_interpreter_exit_closes_its_lock_quietly(tmp_path) -> None:
+    # Its lock's __del__ may run after the os module is torn down.
+    code = ("import multiprocess\nfrom gloader._mppool import _make_queue_class\n"
+            f"queue = _make_queue_class()(ctx=multiprocess.get_context('fork'), lock_dir={str(tmp_path)!r}, "
+            "name='results')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == ""
+
+
 def test_tasks_of_large_cheap_batches_are_grouped_without_stalling_the_pool() -> None:
     """Batches of 900 cheap samples each are grouped many to a task; their keys (7.2 KB a
     batch) once made task messages larger than the task socket holds (~115 KB), and the pool
