@@ -15,9 +15,7 @@ import dataclasses
 import logging
 import os
 import pickle
-import shutil
 import signal
-import tempfile
 import threading
 import time
 import weakref
@@ -25,6 +23,7 @@ from typing import Any, Callable
 
 from ._checks import check_positive_int, check_start_method
 from ._mppool import ProcessLock, make_pool_class
+from ._pooldir import PoolDirectory
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._worker import PoolSpec, StatusTable, initialize_process_worker, initialize_thread_worker, run_task
@@ -91,33 +90,41 @@ class PoolCore:
         self.num_workers = num_workers
         self.is_thread = is_thread
         self.start_method = start_method
-        self.payload_dir = tempfile.mkdtemp(prefix="gloader-payload-")
+        self._directory = PoolDirectory()
+        self.payload_dir = self._directory.path
         self._closed = False
         self._watched: list[Any] = []  # worker processes not yet seen dead
         self._killed: set[Any] = set()  # worker processes killed on purpose: no death to report
         self._deaths: list[_Death] = []  # noticed, not reported yet
         self._lock = threading.Lock()  # loaders on a shared pool may wait and leave in different threads
-        ctx = multiprocess.get_context(start_method)
-        status = None if is_thread else ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
-        self.status = None if status is None else StatusTable(status, num_workers)
-        incarnations = None if is_thread else ctx.Array("q", [0] * num_workers, lock=False)
-        # What workers share holds no semaphore: one that a killed worker held would stay taken
-        # (a worker killed while reading a synchronized generation counter blocked the next
-        # loader to leave, and every worker, for good). Ids are claimed under a lock the kernel
-        # releases; the generation is a plain shared int that only this process writes.
-        self._id_lock = None if is_thread else ProcessLock(os.path.join(self.payload_dir, "ids.lock"))
-        self.spec = PoolSpec(num_workers=num_workers, counter=ctx.Value("i", 0) if is_thread else None,
-                             id_lock=self._id_lock, status=status, incarnations=incarnations, main_pid=os.getpid(),
-                             payload_dir=self.payload_dir, generation=ctx.Value("i", 0, lock=False))
-        if is_thread:
-            from multiprocess.pool import ThreadPool
+        self._id_lock: ProcessLock | None = None
+        try:
+            ctx = multiprocess.get_context(start_method)
+            status = None if is_thread else ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
+            self.status = None if status is None else StatusTable(status, num_workers)
+            incarnations = None if is_thread else ctx.Array("q", [0] * num_workers, lock=False)
+            # What workers share holds no semaphore: one that a killed worker held would stay taken
+            # (a worker killed while reading a synchronized generation counter blocked the next
+            # loader to leave, and every worker, for good). Ids are claimed under a lock the kernel
+            # releases; the generation is a plain shared int that only this process writes.
+            self._id_lock = None if is_thread else ProcessLock(os.path.join(self.payload_dir, "ids.lock"))
+            self.spec = PoolSpec(num_workers=num_workers, counter=ctx.Value("i", 0) if is_thread else None,
+                                 id_lock=self._id_lock, status=status, incarnations=incarnations, main_pid=os.getpid(),
+                                 payload_dir=self.payload_dir, generation=ctx.Value("i", 0, lock=False))
+            if is_thread:
+                from multiprocess.pool import ThreadPool
 
-            self.pool: Any = ThreadPool(num_workers, initializer=initialize_thread_worker,
-                                        initargs=(self.spec, registrations))
-        else:
-            self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
-                                           initargs=(self.spec, registrations), context=ctx,
-                                           lock_dir=self.payload_dir)
+                self.pool: Any = ThreadPool(num_workers, initializer=initialize_thread_worker,
+                                            initargs=(self.spec, registrations))
+            else:
+                self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
+                                               initargs=(self.spec, registrations), context=ctx,
+                                               lock_dir=self.payload_dir)
+        except BaseException:  # the pool did not start: nothing will close it
+            if self._id_lock is not None:
+                self._id_lock.close()
+            self._directory.close()
+            raise
         logger.debug("started %d %s workers (%s)", num_workers, "thread" if is_thread else "process",
                      start_method or "default start method")
 
@@ -250,7 +257,7 @@ class PoolCore:
                 raise
         if self._id_lock is not None:
             self._id_lock.close()
-        shutil.rmtree(self.payload_dir, ignore_errors=True)
+        self._directory.close()
         logger.debug("stopped %d %s workers", self.num_workers, "thread" if self.is_thread else "process")
 
     def _close_threads(self) -> None:

@@ -40,6 +40,14 @@ def dev_shm_names() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
 
 
+def payload_dirs() -> set[str]:
+    """The pool directories (locks, payloads of joining loaders) now in the temp directory."""
+    import glob
+    import tempfile
+
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "gloader-payload-*")))
+
+
 def segment_sizes(pids: list[int]) -> dict[str, int]:
     """gloader's shared-memory segments mapped by any of `pids`: inode -> mapped bytes.
     A segment's memory is in use exactly while some process maps it (or, briefly, holds

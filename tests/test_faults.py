@@ -20,7 +20,7 @@ import pytest
 
 from gloader import BatchTimeoutError, DataLoader
 from tests import _data
-from tests.conftest import dev_shm_names, segment_sizes, wait_until
+from tests.conftest import dev_shm_names, payload_dirs, segment_sizes, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -263,10 +263,11 @@ def test_workers_of_a_caller_killed_mid_epoch_exit_without_printing_tracebacks(t
 
 @pytest.mark.parametrize("start_method, sig", [("fork", signal.SIGKILL), ("fork", signal.SIGTERM),
                                                ("spawn", signal.SIGKILL)])
-def test_killing_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path, start_method: str, sig) -> None:
+def test_killing_the_whole_process_group_leaves_nothing_behind(tmp_path, start_method: str, sig) -> None:
     # What `timeout`, a scheduler's cancel or `kill -- -PGID` do: caller and workers die at
-    # once, so no exit hook and no watchdog runs anywhere.
-    names_before = dev_shm_names()
+    # once, so no exit hook and no watchdog runs anywhere. Shared memory goes with them; the
+    # pool's directory of files goes with the next pool started.
+    names_before, dirs_before = dev_shm_names(), payload_dirs()
     with _run_script(tmp_path, f"""
         loader = DataLoader(np.zeros((512, 64, 64), np.uint8), batch_size=16, num_workers=2,
                             start_method={start_method!r})
@@ -282,6 +283,11 @@ def test_killing_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path, sta
         proc.wait(10)
         assert _gone(pids, 5.0)
     assert dev_shm_names() - names_before == set()
+    left = payload_dirs() - dirs_before
+    assert len(left) == 1  # the killed pool's: nothing of it ran to remove it
+    with DataLoader(list(range(8)), batch_size=4, num_workers=1, timeout=30) as loader:
+        next(iter(loader))
+        assert payload_dirs() & left == set()  # this loader's pool removed it as it started
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -323,6 +324,54 @@ def test_a_result_queue_left_open_at_interpreter_exit_closes_its_lock_quietly(tm
             "name='results')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stderr == ""
+
+
+def test_a_sweep_removes_pool_directories_that_no_living_process_holds(tmp_path) -> None:
+    import fcntl
+
+    from gloader import _pooldir
+
+    def made(name: str, alive: bool, age_s: float = 0.0) -> str:
+        path = tmp_path / f"gloader-payload-{name}"
+        path.mkdir()
+        (path / "tasks.read.lock").touch()
+        if alive:
+            (path / "alive").touch()
+        when = time.time() - age_s
+        os.utime(path, (when, when))
+        return str(path)
+
+    held = made("held", alive=True)  # its pool's process lives: it holds the lock
+    holder = os.open(os.path.join(held, "alive"), os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    try:
+        orphan = made("orphan", alive=True)  # marked, and nobody holds it: its process is gone
+        making = made("making", alive=False)  # not marked yet (or an older gloader's), recent
+        stale = made("stale", alive=False, age_s=2 * _pooldir._UNMARKED_GRACE_S)
+        other = tmp_path / "unrelated"
+        other.mkdir()
+        assert _pooldir.sweep_orphans(str(tmp_path)) == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            os.path.basename(p) for p in (held, making, str(other)))
+        assert not os.path.exists(orphan) and not os.path.exists(stale)
+    finally:
+        os.close(holder)
+    assert _pooldir.sweep_orphans(str(tmp_path)) == 1  # released: the held one goes too
+    assert not os.path.exists(held)
+
+
+def test_a_pool_directory_is_marked_alive_and_removed_on_close() -> None:
+    from gloader import _pooldir
+
+    directory = _pooldir.PoolDirectory()
+    try:
+        assert os.listdir(directory.path) == ["alive"]
+        assert _pooldir.sweep_orphans(os.path.dirname(directory.path)) >= 0
+        assert os.path.isdir(directory.path)  # a sweep leaves a living pool's directory alone
+    finally:
+        directory.close()
+    assert not os.path.exists(directory.path)
+    directory.close()  # a second close is a no-op
 
 
 def test_tasks_of_large_cheap_batches_are_grouped_without_stalling_the_pool() -> None:
