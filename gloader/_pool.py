@@ -247,17 +247,19 @@ class PoolCore:
         if self._closed:
             return
         self._closed = True
-        if self.is_thread:
-            self._close_threads()
-        else:
-            try:
-                self._close_processes(prompt)
-            except BaseException:  # a second Ctrl-C while asking: stop them at once, then re-raise
-                self._close_processes(prompt=True)
-                raise
-        if self._id_lock is not None:
-            self._id_lock.close()
-        self._directory.close()
+        try:
+            if self.is_thread:
+                self._close_threads()
+            else:
+                try:
+                    self._close_processes(prompt)
+                except BaseException:  # a second Ctrl-C while asking: stop them at once, then re-raise
+                    self._close_processes(prompt=True)
+                    raise
+        finally:  # the workers are gone (or being killed): their files go
+            if self._id_lock is not None:
+                self._id_lock.close()
+            self._directory.close()
         logger.debug("stopped %d %s workers", self.num_workers, "thread" if self.is_thread else "process")
 
     def _close_threads(self) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
-from gloader import BatchTimeoutError, DataLoader
+from gloader import BatchTimeoutError, DataLoader, _pooldir
 from tests import _data
 from tests.conftest import dev_shm_names, payload_dirs, segment_sizes, wait_until
 
@@ -285,6 +285,8 @@ def test_killing_the_whole_process_group_leaves_nothing_behind(tmp_path, start_m
     assert dev_shm_names() - names_before == set()
     left = payload_dirs() - dirs_before
     assert len(left) == 1  # the killed pool's: nothing of it ran to remove it
+    # The kernel lets go of a dead process's flock within a moment, not always at once.
+    assert wait_until(lambda: _pooldir._orphaned(next(iter(left))), 5.0)
     with DataLoader(list(range(8)), batch_size=4, num_workers=1, timeout=30) as loader:
         next(iter(loader))
         assert payload_dirs() & left == set()  # this loader's pool removed it as it started
