@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -245,6 +246,16 @@ def test_a_task_larger_than_the_socket_holds_reaches_its_reader_whole(tmp_path, 
         _close_task_queue(tasks)
 
 
+def _stop_writer(writer: Any, results: Any) -> None:
+    """End a test's writer process and close the result queue it wrote into."""
+    writer.kill()
+    writer.join(10.0)
+    writer.close()
+    results._reader.close()
+    results._writer.close()
+    results._wlock.close()
+
+
 def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_result(tmp_path) -> None:
     """A result written in part (its writer killed while waiting for room) would make the
     reader take the next writer's bytes for the rest of it: a shared pool would stall."""
@@ -278,12 +289,7 @@ def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_res
         assert results._reader.recv() == filler
         assert results._reader.recv() == "next"
     finally:
-        writer.kill()
-        writer.join(10.0)
-        writer.close()
-        results._reader.close()
-        results._writer.close()
-        results._wlock.close()
+        _stop_writer(writer, results)
 
 
 def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_written_whole(tmp_path) -> None:
@@ -309,12 +315,7 @@ def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_w
         assert results._reader.recv() == big
         assert sorted(p.name for p in tmp_path.iterdir()) == ["results.write.lock"]  # the file is gone
     finally:
-        writer.kill()
-        writer.join(10.0)
-        writer.close()
-        results._reader.close()
-        results._writer.close()
-        results._wlock.close()
+        _stop_writer(writer, results)
 
 
 def test_a_result_queue_left_open_at_interpreter_exit_closes_its_lock_quietly(tmp_path) -> None:
