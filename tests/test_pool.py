@@ -18,6 +18,7 @@ import torch
 import gloader
 from gloader import DataLoader, WorkerPool, _worker
 from tests import _data
+from tests.conftest import payload_dirs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -367,12 +368,47 @@ def test_a_pool_directory_is_marked_alive_and_removed_on_close() -> None:
     directory = _pooldir.PoolDirectory()
     try:
         assert os.listdir(directory.path) == ["alive"]
-        assert _pooldir.sweep_orphans(os.path.dirname(directory.path)) >= 0
+        _pooldir.sweep_orphans(os.path.dirname(directory.path))
         assert os.path.isdir(directory.path)  # a sweep leaves a living pool's directory alone
     finally:
         directory.close()
     assert not os.path.exists(directory.path)
     directory.close()  # a second close is a no-op
+
+
+def test_a_pool_that_fails_to_start_removes_its_directory(monkeypatch) -> None:
+    from gloader import _pool
+
+    def no_pool() -> Any:
+        def start(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(11, "cannot start workers")
+        return start
+
+    monkeypatch.setattr(_pool, "make_pool_class", no_pool)
+    before = payload_dirs()
+    with pytest.raises(OSError, match="cannot start workers"):
+        _pool.PoolCore(2, False, "fork", [])
+    assert payload_dirs() - before == set()
+
+
+def test_a_pool_closed_by_a_second_ctrl_c_still_removes_its_directory(monkeypatch) -> None:
+    from gloader import _pool
+
+    before = payload_dirs()
+    core = _pool.PoolCore(2, False, "fork", [])
+    processes = list(core.pool._pool)
+    stop = core._close_processes
+
+    def interrupted(prompt: bool) -> None:
+        if not prompt:  # Ctrl-C while the workers are asked to finish
+            raise KeyboardInterrupt
+        stop(prompt)
+
+    monkeypatch.setattr(core, "_close_processes", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        core.close()
+    assert all(p.exitcode is not None for p in processes)  # stopped at once
+    assert payload_dirs() - before == set()
 
 
 def test_tasks_of_large_cheap_batches_are_grouped_without_stalling_the_pool() -> None:
