@@ -168,6 +168,13 @@ def test_the_compute_ceiling_loads_batches_in_its_workers_and_ends_them_on_close
     assert all(not w.is_alive() for w in workers) and ceiling._workers == []
 
 
+def test_the_compute_ceiling_tunes_malloc_as_gloaders_workers_do() -> None:
+    from gloader import _worker
+
+    assert (peers._MALLOC_MMAP_THRESHOLD_BYTES, peers._MALLOC_TRIM_THRESHOLD_BYTES) == (
+        _worker._MALLOC_MMAP_THRESHOLD_BYTES, _worker._MALLOC_TRIM_THRESHOLD_BYTES)
+
+
 def test_the_compute_ceiling_names_its_workers_exit_codes_when_they_stop_loading(monkeypatch) -> None:
     monkeypatch.setattr(peers, "_CEILING_WAIT_S", 2.0)
     ceiling = peers.ComputeCeiling(list(range(5)), 8, 1)  # not one whole batch: the worker ends at once

@@ -45,12 +45,18 @@ class InProcessLoop:
 _CEILING_WAIT_S = 120.0
 
 
+# glibc malloc settings of gloader's workers. The benchmark uses gloader's public API only,
+# so it repeats them; tests/test_bench.py checks that they match the workers' own.
+_MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20
+_MALLOC_TRIM_THRESHOLD_BYTES = 256 << 20
+
+
 def _keep_freed_memory() -> None:
     """glibc malloc as gloader's workers set it: freed memory is kept for the next sample."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, _MALLOC_MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, _MALLOC_TRIM_THRESHOLD_BYTES)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc
 
