@@ -21,6 +21,7 @@ import time
 import weakref
 from typing import Any, Callable
 
+from ._admission import usable_cpus
 from ._checks import check_positive_int, check_start_method
 from ._mppool import ProcessLock, make_pool_class
 from ._pooldir import PoolDirectory
@@ -98,6 +99,7 @@ class PoolCore:
         self._deaths: list[_Death] = []  # noticed, not reported yet
         self._lock = threading.Lock()  # loaders on a shared pool may wait and leave in different threads
         self._id_lock: ProcessLock | None = None
+        self._permits: tuple[ProcessLock, ...] = ()
         try:
             ctx = multiprocess.get_context(start_method)
             status = None if is_thread else ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
@@ -108,9 +110,14 @@ class PoolCore:
             # loader to leave, and every worker, for good). Ids are claimed under a lock the kernel
             # releases; the generation is a plain shared int that only this process writes.
             self._id_lock = None if is_thread else ProcessLock(os.path.join(self.payload_dir, "ids.lock"))
+            cpus = usable_cpus()
+            if not is_thread and num_workers > cpus:  # see _admission
+                self._permits = tuple(ProcessLock(os.path.join(self.payload_dir, f"permit-{i}.lock"))
+                                      for i in range(cpus))
             self.spec = PoolSpec(num_workers=num_workers, counter=ctx.Value("i", 0) if is_thread else None,
                                  id_lock=self._id_lock, status=status, incarnations=incarnations, main_pid=os.getpid(),
-                                 payload_dir=self.payload_dir, generation=ctx.Value("i", 0, lock=False))
+                                 payload_dir=self.payload_dir, generation=ctx.Value("i", 0, lock=False),
+                                 permits=self._permits)
             if is_thread:
                 from multiprocess.pool import ThreadPool
 
@@ -121,9 +128,7 @@ class PoolCore:
                                                initargs=(self.spec, registrations), context=ctx,
                                                lock_dir=self.payload_dir)
         except BaseException:  # the pool did not start: nothing will close it
-            if self._id_lock is not None:
-                self._id_lock.close()
-            self._directory.close()
+            self._close_files()
             raise
         logger.debug("started %d %s workers (%s)", num_workers, "thread" if is_thread else "process",
                      start_method or "default start method")
@@ -257,10 +262,14 @@ class PoolCore:
                     self._close_processes(prompt=True)
                     raise
         finally:  # the workers are gone (or being killed): their files go
-            if self._id_lock is not None:
-                self._id_lock.close()
-            self._directory.close()
+            self._close_files()
         logger.debug("stopped %d %s workers", self.num_workers, "thread" if self.is_thread else "process")
+
+    def _close_files(self) -> None:
+        for lock in (self._id_lock, *self._permits):
+            if lock is not None:
+                lock.close()
+        self._directory.close()
 
     def _close_threads(self) -> None:
         pool = self.pool

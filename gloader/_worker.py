@@ -30,6 +30,7 @@ import traceback
 from typing import Any, Callable, ContextManager
 
 from . import _registry
+from ._admission import Admission, usable_cpus
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
 from ._mppool import on_result_sent, on_task_taken
 from ._protocol import WorkerFailure, encode, encode_answers
@@ -64,8 +65,10 @@ _MALLOC_TRIM_THRESHOLD_BYTES = 256 << 20
 # 0.953 with the loaders side by side; longer slices also keep a worker that holds the
 # oldest batch (collected first) waiting longer. The price is in the caller's rare wake-up
 # delays: a 2 ms sleep overshot by at most 7.5-9.4 ms instead of 4-5 (median and p90
-# unchanged), which is why pools that fit their CPUs keep the default. Larger: fewer
-# switches between oversubscribed workers; smaller: shorter worst-case delays.
+# unchanged), which is why pools that fit their CPUs keep the default. Such pools also hold
+# CPU-bound tasks to one per CPU (see _admission); the slice still counts for workers whose
+# tasks block and so run without a permit. Larger: fewer switches between oversubscribed
+# workers; smaller: shorter worst-case delays.
 _WORKER_SLICE_NS = 10_000_000
 # struct sched_attr as sched_setattr(2) takes it (its first, 56-byte version), and the
 # system call's number where gloader asks for the slice.
@@ -160,6 +163,7 @@ class PoolSpec:
     main_pid: int
     payload_dir: str  # payload files of loaders that join the running pool
     generation: Any  # shared int (without a lock), bumped by the caller when a loader leaves the pool
+    permits: tuple[Any, ...] = ()  # process pools with more workers than CPUs: one ProcessLock per CPU
 
 
 class _LocalLink:
@@ -244,6 +248,7 @@ class WorkerState:
     seeding: Callable[[int], ContextManager[None]]
     crosses_process: bool
     streams: dict[int, tuple[int, Any]] = dataclasses.field(default_factory=dict)
+    admission: Admission | None = None  # process workers of a pool with more workers than CPUs
 
     @classmethod
     def in_process(cls, seeding: Callable[[int], ContextManager[None]]) -> WorkerState:
@@ -285,6 +290,7 @@ def execute(state: WorkerState, registration: Registration, loader_id: int, epoc
 
 
 _PROCESS_STATE: WorkerState | None = None
+_ADMITTED = contextlib.nullcontext()  # the tasks of pools that fit their CPUs: no permits
 _THREAD_STATE = threading.local()
 
 
@@ -311,15 +317,16 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
     registration = state.link.find(loader_id, state)
     answers: list[Any] = []
     space = SlotSpace(slot)
-    for batch_index, seed, work in batches:
-        if registration is None:
-            exc = RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its pool "
-                               "was started without it")
-            message: Any = state.failure(exc, "", "", batch_index, None)
-        else:
-            state.link.begin(loader_id, epoch, batch_index)
-            message = execute(state, registration, loader_id, epoch, batch_index, seed, work, space)
-        answers.append(message)
+    with state.admission or _ADMITTED:
+        for batch_index, seed, work in batches:
+            if registration is None:
+                exc = RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its "
+                                   "pool was started without it")
+                message: Any = state.failure(exc, "", "", batch_index, None)
+            else:
+                state.link.begin(loader_id, epoch, batch_index)
+                message = execute(state, registration, loader_id, epoch, batch_index, seed, work, space)
+            answers.append(message)
     if not state.crosses_process:
         return answers
     try:
@@ -373,7 +380,8 @@ def initialize_process_worker(spec: PoolSpec, registrations: list[tuple[int, Pay
         on_task_taken(functools.partial(_claim_task, link))
         on_result_sent(link.end)
         _PROCESS_STATE = WorkerState(worker_id, spec.num_workers, SharedMemoryWriter(), link, _seed_globals,
-                                     crosses_process=True)
+                                     crosses_process=True,
+                                     admission=Admission(spec.permits, worker_id) if spec.permits else None)
         _register_all(_PROCESS_STATE, registrations)
     except BaseException:  # pragma: no cover - last resort; the first task reports the loader as missing
         logger.exception("gloader worker initialization failed")
@@ -422,8 +430,7 @@ def _keep_freed_memory() -> None:
 
 def _oversubscribes(num_workers: int) -> bool:
     """Whether a pool of `num_workers` processes has more of them than CPUs to run on."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return num_workers > usable
+    return num_workers > usable_cpus()
 
 
 def _lengthen_time_slice() -> None:

@@ -430,3 +430,26 @@ def hold_lock_forever(lock: Any, taken: Any) -> None:
     lock.acquire()
     taken.set()
     threading.Event().wait()
+
+
+class Occupies(gloader.Dataset):
+    """Sample i keeps its worker for `seconds`, spinning on the CPU ('spin') or asleep, as a
+    read from storage would be ('sleep'); it is (worker pid, start, end) in monotonic ns."""
+
+    def __init__(self, how: str, seconds: float = 0.01, length: int = 24) -> None:
+        self.how = how
+        self.seconds = seconds
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        start = time.monotonic_ns()
+        if self.how == "sleep":
+            time.sleep(self.seconds)
+        else:
+            until = time.thread_time() + self.seconds
+            while time.thread_time() < until:
+                pass
+        return np.array([os.getpid(), start, time.monotonic_ns()], dtype=np.int64)

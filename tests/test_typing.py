@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # _pool -> _worker -> _fetch -> _rows -> the supporting modules.
 LAYERS = [
     {"_checks", "_math", "_mppool", "_pooldir", "_protocol", "_seed", "_tree", "_stats"},
-    {"_registry", "_transport", "batchify", "sampler", "_device"},
+    {"_admission", "_registry", "_transport", "batchify", "sampler", "_device"},
     {"dataset", "_payload", "_rows"},
     {"_fetch"},
     {"_worker"},

@@ -1,0 +1,66 @@
+"""Admission: a pool with more process workers than CPUs runs one CPU-bound task per CPU at a
+time; tasks that block (storage, network) run side by side; a killed worker's permit is freed."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from gloader import DataLoader, WorkerExitedError, WorkerPool, _pool
+from tests import _data
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _overlaps(rows: np.ndarray) -> int:
+    """How many pairs of samples loaded by different workers ran at the same time."""
+    return sum(a[0] != b[0] and a[1] < b[2] and b[1] < a[2] for a, b in itertools.combinations(rows.tolist(), 2))
+
+
+def _load(dataset: _data.Occupies, num_workers: int) -> np.ndarray:
+    with DataLoader(dataset, batch_size=1, num_workers=num_workers, timeout=30) as loader:
+        return np.concatenate([batch.numpy() for batch in loader])
+
+
+@pytest.fixture
+def one_cpu(monkeypatch) -> None:
+    """Pools count one usable CPU, so that any pool of two workers or more is oversubscribed."""
+    monkeypatch.setattr(_pool, "usable_cpus", lambda: 1)
+
+
+def test_cpu_bound_tasks_beyond_the_cpus_wait_for_a_permit_instead_of_time_sharing(one_cpu) -> None:
+    rows = _load(_data.Occupies("spin"), num_workers=3)
+    assert len(set(rows[:, 0].tolist())) >= 2  # several workers took part
+    assert _overlaps(rows) == 0
+
+
+def test_tasks_that_block_run_side_by_side_beyond_the_permits(one_cpu) -> None:
+    """A worker whose task slept runs its next task without a permit: I/O-bound datasets
+    (the reason to start more workers than CPUs) keep every worker busy."""
+    rows = _load(_data.Occupies("sleep", seconds=0.02), num_workers=3)
+    assert _overlaps(rows) > 0
+
+
+def test_without_the_run_delay_a_pool_takes_no_permits(one_cpu, monkeypatch) -> None:
+    """Where /proc/thread-self/schedstat cannot be read, waiting for a CPU cannot be told from
+    blocking; such a pool runs every task at once, as one that fits its CPUs does."""
+    from gloader import _admission
+
+    monkeypatch.setattr(_admission, "_SCHEDSTAT", "/nonexistent/schedstat")
+    rows = _load(_data.Occupies("spin", seconds=0.03), num_workers=3)
+    assert _overlaps(rows) > 0
+
+
+def test_a_worker_killed_holding_a_permit_frees_it(one_cpu) -> None:
+    with WorkerPool(2) as pool:
+        with DataLoader(_data.DiesAt(0, "kill", length=4), batch_size=1, pool=pool, timeout=30) as dying:
+            with pytest.raises(WorkerExitedError):
+                list(dying)
+        rows = _load_on(pool, _data.Occupies("spin"))
+    assert len(rows) == 24 and _overlaps(rows) == 0
+
+
+def _load_on(pool: WorkerPool, dataset: _data.Occupies) -> np.ndarray:
+    with DataLoader(dataset, batch_size=1, pool=pool, timeout=10) as loader:
+        return np.concatenate([batch.numpy() for batch in loader])
