@@ -3,11 +3,14 @@ time; tasks that block (storage, network) run side by side; a killed worker's pe
 from __future__ import annotations
 
 import itertools
+import os
 
+import multiprocess
 import numpy as np
 import pytest
 
-from gloader import DataLoader, WorkerExitedError, WorkerPool, _pool
+from gloader import DataLoader, WorkerExitedError, WorkerPool, _admission, _pool
+from gloader._mppool import ProcessLock
 from tests import _data
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,8 +48,6 @@ def test_tasks_that_block_run_side_by_side_beyond_the_permits(one_cpu) -> None:
 def test_without_the_run_delay_a_pool_takes_no_permits(one_cpu, monkeypatch) -> None:
     """Where /proc/thread-self/schedstat cannot be read, waiting for a CPU cannot be told from
     blocking; such a pool runs every task at once, as one that fits its CPUs does."""
-    from gloader import _admission
-
     monkeypatch.setattr(_admission, "_SCHEDSTAT", "/nonexistent/schedstat")
     rows = _load(_data.Occupies("spin", seconds=0.03), num_workers=3)
     assert _overlaps(rows) > 0
@@ -64,3 +65,25 @@ def test_a_worker_killed_holding_a_permit_frees_it(one_cpu) -> None:
 def _load_on(pool: WorkerPool, dataset: _data.Occupies) -> np.ndarray:
     with DataLoader(dataset, batch_size=1, pool=pool, timeout=10) as loader:
         return np.concatenate([batch.numpy() for batch in loader])
+
+
+def _free_elsewhere(permit: ProcessLock) -> bool:
+    """Whether another process could take `permit` now (record locks are per process)."""
+    child = multiprocess.get_context("fork").Process(target=lambda: os._exit(0 if permit.acquire(block=False) else 1))
+    child.start()
+    child.join(10)
+    return child.exitcode == 0
+
+
+def test_a_worker_that_can_no_longer_read_the_run_delay_frees_its_permit_and_takes_no_more(tmp_path) -> None:
+    permit = ProcessLock(str(tmp_path / "permit.lock"))
+    admission = _admission.Admission([permit], worker_id=0)
+    try:
+        with admission:
+            assert not _free_elsewhere(permit)
+            os.close(admission._schedstat)  # the next read fails
+        assert _free_elsewhere(permit)
+        with admission:
+            assert _free_elsewhere(permit)
+    finally:
+        permit.close()
