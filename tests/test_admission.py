@@ -21,8 +21,8 @@ def _overlaps(rows: np.ndarray) -> int:
     return sum(a[0] != b[0] and a[1] < b[2] and b[1] < a[2] for a, b in itertools.combinations(rows.tolist(), 2))
 
 
-def _load(dataset: _data.Occupies, num_workers: int) -> np.ndarray:
-    with DataLoader(dataset, batch_size=1, num_workers=num_workers, timeout=30) as loader:
+def _load(dataset: _data.Occupies, num_workers: int, start_method: str | None = None) -> np.ndarray:
+    with DataLoader(dataset, batch_size=1, num_workers=num_workers, timeout=30, start_method=start_method) as loader:
         return np.concatenate([batch.numpy() for batch in loader])
 
 
@@ -32,8 +32,10 @@ def one_cpu(monkeypatch) -> None:
     monkeypatch.setattr(_pool, "usable_cpus", lambda: 1)
 
 
-def test_cpu_bound_tasks_beyond_the_cpus_wait_for_a_permit_instead_of_time_sharing(one_cpu) -> None:
-    rows = _load(_data.Occupies("spin"), num_workers=3)
+@pytest.mark.parametrize("start_method", [None, "spawn"])
+def test_cpu_bound_tasks_beyond_the_cpus_wait_for_a_permit_instead_of_time_sharing(one_cpu, start_method) -> None:
+    """Spawned workers open the permits by their paths."""
+    rows = _load(_data.Occupies("spin"), num_workers=3, start_method=start_method)
     assert len(set(rows[:, 0].tolist())) >= 2  # several workers took part
     assert _overlaps(rows) == 0
 
