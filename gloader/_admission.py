@@ -7,9 +7,11 @@ caches: W8 (JPEG decoding) with 4 workers on 2 cores took 157-167 ms of worker C
 against 148-156 ms with 2. With permits, a worker switches only between tasks. Measured on
 W8 (fresh loaders, 10 rounds of 48 batches after 32 warm-up, alternating 2 workers, 4
 without and 4 with permits; medians): 4 workers read 0.958x 2 workers without permits and
-0.976x with them, 1.021x without in 8 rounds of 10. A prototype of the same scheme on W3 (16
-ms batches, 8 rounds of 150): 0.998x and 1.000x. The rest of the gap is the caches of four
-processes instead of two, and each worker's first use of each of twice as many slots.
+0.976x with them, 1.021x without in 8 rounds of 10. 3 workers (the permits shared unevenly:
+two wait for one, the third has its own) with permits read 1.008x without, faster in 6
+rounds of 8. A prototype of the same scheme on W3 (16 ms batches, 8 rounds of 150): 0.998x
+and 1.000x. The rest of the gap is the caches of four processes instead of two, and each
+worker's first use of each of twice as many slots.
 
 Permits are POSIX record locks on files of the pool's directory (`_mppool.ProcessLock`): the
 kernel releases a dead worker's permit, so a kill never loses one, and a wait for a permit
