@@ -5,13 +5,14 @@ time-sharing the CPUs.
 Time-shared CPU-bound workers are switched every time slice, and each switch refills the
 caches: W8 (JPEG decoding) with 4 workers on 2 cores took 157-167 ms of worker CPU a batch
 against 148-156 ms with 2. With permits, a worker switches only between tasks. Measured on
-W8 (fresh loaders, 10 rounds of 48 batches after 32 warm-up, alternating 2 workers, 4
-without and 4 with permits; medians): 4 workers read 0.958x 2 workers without permits and
-0.976x with them, 1.021x without in 8 rounds of 10. 3 workers (the permits shared unevenly:
-two wait for one, the third has its own) with permits read 1.008x without, faster in 6
-rounds of 8. A prototype of the same scheme on W3 (16 ms batches, 8 rounds of 150): 0.998x
-and 1.000x. The rest of the gap is the caches of four processes instead of two, and each
-worker's first use of each of twice as many slots.
+W8 (fresh loaders, 8 rounds of 48 batches after 32 warm-up, alternating 2 workers, 4 without
+and 4 with permits): 4 workers with permits read 1.028x without (median of the rounds'
+ratios; faster in 7 rounds of 8), and 821 samples/s against 791 without and 808 for 2
+workers (medians). With a first version that let only tasks blocked over 20% of their time
+go without permits: 1.021x (8 rounds of 10), 0.976x 2 workers. 3 workers (the permits shared
+unevenly: two wait for one, the third has its own) read 1.008x without, faster in 6 rounds
+of 8. A prototype of the same scheme on W3 (16 ms batches, 8 rounds of 150): 0.998x and
+1.000x of 2 workers without and with permits.
 
 Permits are POSIX record locks on files of the pool's directory (`_mppool.ProcessLock`): the
 kernel releases a dead worker's permit, so a kill never loses one, and a wait for a permit
@@ -21,11 +22,15 @@ number of permits).
 
 Only tasks that keep the CPU busy are held back. The worker splits each task's time, from
 its thread's own counters, into running (CPU time), waiting for a CPU (the scheduler's run
-delay, /proc/thread-self/schedstat) and blocked (the rest: reads, sleeps, locks). A task
-blocked for more than _BLOCKED_SHARE of its time lets its worker run the next task without a
-permit, so a dataset that waits on storage or the network (the reason to start more workers
-than CPUs) keeps every worker running; the next task that does not block asks for permits
-again. Where the run delay cannot be read, there are no permits.
+delay, /proc/thread-self/schedstat) and blocked (the rest: reads, sleeps, locks), and keeps a
+moving average of the blocked share. A permit holder that blocks leaves its CPU idle, which
+costs about the share it blocks: a synthetic dataset (1 ms of CPU and a sleep per sample, 4
+workers on 2 CPUs) read 0.87x, 0.83x and 0.80x with permits than without when it slept
+~11%, ~16% and ~20% of the time (from 2 workers' loss), 0.99x when it never slept; with the
+average below, 1.00-1.01x. So a worker asks for permits only while its average stays under
+_BLOCKED_SHARE; a dataset that waits on storage or the network (the reason to start more
+workers than CPUs) keeps every worker running. Where the run delay cannot be read, there are
+no permits.
 """
 from __future__ import annotations
 
@@ -37,13 +42,17 @@ from ._mppool import ProcessLock
 
 __all__ = ["Admission", "usable_cpus"]
 
-# The share of a task's wall time spent blocked (neither running nor waiting for a CPU) above
-# which its worker's next task runs without a permit. Larger: datasets that block a little
-# (a few reads among decoding) are still held to one task per CPU, and the CPUs idle while
-# they block; smaller: CPU-bound tasks that block briefly (page cache misses, a lock) lose
-# their permits and time-share again. W8 tasks of a 4-worker pool on 2 CPUs were blocked for
-# 0.14% of their time (median; at most 4.4% in 88 tasks).
-_BLOCKED_SHARE = 0.2
+# The share of its time a worker's tasks spend blocked (neither running nor waiting for a
+# CPU), averaged over tasks, above which the worker runs its tasks without a permit. What
+# permits save is ~2% (W8) and what a blocking holder costs is about its blocked share, so
+# the line is near the saving. Larger: datasets that block a little (reads among decoding)
+# keep their permits and idle the CPUs while they block; smaller: CPU-bound tasks that block
+# now and then (W8 tasks of a 4-worker pool on 2 CPUs: median 0.12-0.14%, but 10% of them over
+# 3-5%) lose their permits more often.
+_BLOCKED_SHARE = 0.03
+# Weight of the newest task in the average. Larger: a worker follows a change of workload
+# (a cold first epoch, a warm second) in fewer tasks; smaller: one odd task moves it less.
+_SMOOTHING = 0.25
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
@@ -64,14 +73,14 @@ class Admission:
         self._permits = tuple(permits)
         self._home = worker_id % len(self._permits) if self._permits else 0
         self._schedstat = -1  # opened by the thread that runs the tasks, at its first task; kept until exit
-        self._blocked = False  # the last task was blocked for more than _BLOCKED_SHARE of its time
+        self._blocked_share = 0.0  # moving average over this worker's tasks
         self._held: ProcessLock | None = None
         self._start: tuple[int, int, int] | None = None
 
     def __enter__(self) -> None:
         if not self._permits or (self._schedstat < 0 and not self._open()):
             return
-        if not self._blocked:
+        if self._blocked_share <= _BLOCKED_SHARE:
             self._held = self._take()
         self._start = self._times()
 
@@ -86,7 +95,8 @@ class Admission:
             self._permits = ()
             return
         wall, cpu, delay = (after - before for after, before in zip(end, self._start))
-        self._blocked = wall - cpu - delay > _BLOCKED_SHARE * wall
+        share = (wall - cpu - delay) / wall if wall > 0 else 0.0
+        self._blocked_share += _SMOOTHING * (share - self._blocked_share)
 
     def _open(self) -> bool:
         try:

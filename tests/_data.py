@@ -433,8 +433,9 @@ def hold_lock_forever(lock: Any, taken: Any) -> None:
 
 
 class Occupies(gloader.Dataset):
-    """Sample i keeps its worker for `seconds`, spinning on the CPU ('spin') or asleep, as a
-    read from storage would be ('sleep'); it is (worker pid, start, end) in monotonic ns."""
+    """Sample i keeps its worker for `seconds`, spinning on the CPU ('spin'), asleep as a read
+    from storage would be ('sleep'), or spinning and then asleep for a fifth as long ('mixed':
+    decoding after a read); it is (worker pid, start, end) in monotonic ns."""
 
     def __init__(self, how: str, seconds: float = 0.01, length: int = 24) -> None:
         self.how = how
@@ -448,8 +449,10 @@ class Occupies(gloader.Dataset):
         start = time.monotonic_ns()
         if self.how == "sleep":
             time.sleep(self.seconds)
-        else:
-            until = time.thread_time() + self.seconds
-            while time.thread_time() < until:
-                pass
+            return np.array([os.getpid(), start, time.monotonic_ns()], dtype=np.int64)
+        until = time.thread_time() + self.seconds
+        while time.thread_time() < until:
+            pass
+        if self.how == "mixed":
+            time.sleep(self.seconds / 5)
         return np.array([os.getpid(), start, time.monotonic_ns()], dtype=np.int64)

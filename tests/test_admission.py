@@ -47,6 +47,13 @@ def test_tasks_that_block_run_side_by_side_beyond_the_permits(one_cpu) -> None:
     assert _overlaps(rows) > 0
 
 
+def test_tasks_that_block_a_sixth_of_their_time_also_run_side_by_side(one_cpu) -> None:
+    """A permit holder that blocks leaves its CPU idle, which costs more than permits save as
+    soon as it blocks more than a few percent of the time."""
+    rows = _load(_data.Occupies("mixed"), num_workers=3)
+    assert _overlaps(rows) > 0
+
+
 def test_without_the_run_delay_a_pool_takes_no_permits(one_cpu, monkeypatch) -> None:
     """Where /proc/thread-self/schedstat cannot be read, waiting for a CPU cannot be told from
     blocking; such a pool runs every task at once, as one that fits its CPUs does."""
