@@ -44,7 +44,7 @@ __all__ = ["Admission", "usable_cpus"]
 
 # The share of its time a worker's tasks spend blocked (neither running nor waiting for a
 # CPU), averaged over tasks, above which the worker runs its tasks without a permit. What
-# permits save is ~2% (W8) and what a blocking holder costs is about its blocked share, so
+# permits save is ~2-3% (W8) and what a blocking holder costs is about its blocked share, so
 # the line is near the saving. Larger: datasets that block a little (reads among decoding)
 # keep their permits and idle the CPUs while they block; smaller: CPU-bound tasks that block
 # now and then (W8 tasks of a 4-worker pool on 2 CPUs: median 0.12-0.14%, but 10% of them over
