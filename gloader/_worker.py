@@ -30,7 +30,7 @@ import traceback
 from typing import Any, Callable, ContextManager
 
 from . import _registry
-from ._admission import Admission, usable_cpus
+from ._admission import Admission
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
 from ._mppool import on_result_sent, on_task_taken
 from ._protocol import WorkerFailure, encode, encode_answers
@@ -403,7 +403,7 @@ def _prepare_process(spec: PoolSpec) -> None:
     torch.set_num_threads(1)  # one worker, one core: intra-op threads only contend
     close_inherited_segments()  # under fork: the caller's, which must not live on in this worker
     _keep_freed_memory()
-    if _oversubscribes(spec.num_workers):
+    if spec.permits:  # the pool has more workers than CPUs
         _lengthen_time_slice()
     # Under fork, the caller's objects are shared copy-on-write; a full collection in this
     # worker would write the GC header of every inherited container and copy its page.
@@ -426,11 +426,6 @@ def _keep_freed_memory() -> None:
         libc.mallopt(-1, _MALLOC_TRIM_THRESHOLD_BYTES)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: keep the platform's allocator as it is
-
-
-def _oversubscribes(num_workers: int) -> bool:
-    """Whether a pool of `num_workers` processes has more of them than CPUs to run on."""
-    return num_workers > usable_cpus()
 
 
 def _lengthen_time_slice() -> None:
