@@ -447,12 +447,10 @@ class Occupies(gloader.Dataset):
 
     def __getitem__(self, idx: int) -> Any:
         start = time.monotonic_ns()
-        if self.how == "sleep":
-            time.sleep(self.seconds)
-            return np.array([os.getpid(), start, time.monotonic_ns()], dtype=np.int64)
-        until = time.thread_time() + self.seconds
-        while time.thread_time() < until:
-            pass
-        if self.how == "mixed":
-            time.sleep(self.seconds / 5)
+        if self.how != "sleep":
+            until = time.thread_time() + self.seconds
+            while time.thread_time() < until:
+                pass
+        if self.how != "spin":
+            time.sleep(self.seconds if self.how == "sleep" else self.seconds / 5)
         return np.array([os.getpid(), start, time.monotonic_ns()], dtype=np.int64)

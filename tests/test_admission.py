@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 import multiprocess
 import numpy as np
@@ -21,14 +22,14 @@ def _overlaps(rows: np.ndarray) -> int:
     return sum(a[0] != b[0] and a[1] < b[2] and b[1] < a[2] for a, b in itertools.combinations(rows.tolist(), 2))
 
 
-def _load(dataset: _data.Occupies, num_workers: int, start_method: str | None = None) -> np.ndarray:
-    """Epochs of `dataset` until two workers or more took part (a worker that starts first,
+def _load(dataset: _data.Occupies, min_workers: int = 2, **options: Any) -> np.ndarray:
+    """Epochs of `dataset` until `min_workers` or more took part (a worker that starts first,
     spawned ones most of all, may load a whole epoch before the others are up)."""
-    with DataLoader(dataset, batch_size=1, num_workers=num_workers, timeout=30, start_method=start_method) as loader:
+    with DataLoader(dataset, batch_size=1, timeout=30, **options) as loader:
         rows = np.empty((0, 3), dtype=np.int64)
         for _ in range(_MAX_EPOCHS):
             rows = np.concatenate([rows, *(batch.numpy() for batch in loader)])
-            if len(set(rows[:, 0].tolist())) >= 2:
+            if len(set(rows[:, 0].tolist())) >= min_workers:
                 break
         return rows
 
@@ -77,13 +78,8 @@ def test_a_worker_killed_holding_a_permit_frees_it(one_cpu) -> None:
         with DataLoader(_data.DiesAt(0, "kill", length=4), batch_size=1, pool=pool, timeout=30) as dying:
             with pytest.raises(WorkerExitedError):
                 list(dying)
-        rows = _load_on(pool, _data.Occupies("spin"))
+        rows = _load(_data.Occupies("spin"), min_workers=1, pool=pool)
     assert len(rows) == 24 and _overlaps(rows) == 0
-
-
-def _load_on(pool: WorkerPool, dataset: _data.Occupies) -> np.ndarray:
-    with DataLoader(dataset, batch_size=1, pool=pool, timeout=10) as loader:
-        return np.concatenate([batch.numpy() for batch in loader])
 
 
 def _free_elsewhere(permit: ProcessLock) -> bool:
