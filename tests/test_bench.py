@@ -96,6 +96,11 @@ def test_jpeg_folder_workload_reports_a_row_and_a_scaling_table_and_removes_its_
     ratios = re.findall(r"gloader (\d+), torch (\d+) \(([\d.]+)x\)", scaling)
     assert len(ratios) == 3  # num_workers 1, 2, 4
     assert all(float(r) == pytest.approx(int(g) / int(t), abs=0.02) for g, t, r in ratios)
+    # One round: the per-round nw=4 / nw=2 ratio is that round's, for each loader.
+    paired = re.search(r"gloader ([\d.]+) \([\d.]+-[\d.]+\)x, torch ([\d.]+) \([\d.]+-[\d.]+\)x \|$", scaling)
+    assert paired is not None, scaling
+    for column, found in ((0, paired.group(1)), (1, paired.group(2))):
+        assert float(found) == pytest.approx(int(ratios[2][column]) / int(ratios[1][column]), abs=0.02)
     assert set(glob.glob(f"{tempfile.gettempdir()}/gloader-bench-jpegs-*")) == before
 
 

@@ -407,15 +407,23 @@ def _report_scaling(results: dict[str, Any]) -> list[str]:
     scaling = results.get("scaling")
     if not scaling:
         return []
-    lines = ["", "Scaling with num_workers (samples/s, median; gloader/torch)", "",
-             "| workload | " + " | ".join(f"nw={w}" for w in _SCALING_WORKERS) + " |",
-             "|---|" + "---|" * len(_SCALING_WORKERS)]
+    most, fewer = _SCALING_WORKERS[-1], _SCALING_WORKERS[-2]
+    lines = ["", "Scaling with num_workers (samples/s, median; gloader/torch). The last column divides "
+             f"nw={most} by nw={fewer} within each round (the two loaders ran under a minute apart) and "
+             "gives the median (min-max) of those ratios: one loader's median against another's moves "
+             "a few percent with the machine.", "",
+             "| workload | " + " | ".join(f"nw={w}" for w in _SCALING_WORKERS) + f" | nw={most} / nw={fewer}, per round |",
+             "|---|" + "---|" * (len(_SCALING_WORKERS) + 1)]
     for name, by_workers in scaling.items():
         cells = []
         for workers in _SCALING_WORKERS:
             got = by_workers[str(workers)]
             gl, th = statistics.median(got["gloader"]), statistics.median(got["torch"])
             cells.append(f"gloader {gl:.0f}, torch {th:.0f} ({gl / th:.2f}x)")
+        paired = {loader: _summary([a / b for a, b in zip(by_workers[str(most)][loader],
+                                                          by_workers[str(fewer)][loader])]).strip()
+                  for loader in ("gloader", "torch")}
+        cells.append(f"gloader {paired['gloader']}x, torch {paired['torch']}x")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
