@@ -43,7 +43,7 @@ def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
-    (["--workloads", "W1,W12"], r"--workloads takes W1 to W9; got \['W12'\]"),
+    (["--workloads", "W1,W12"], r"--workloads takes W1 to W10; got \['W12'\]"),
     (["--workloads", "W1", "--plot", "x.png"], "--plot needs W1, W2, W3 and W4"),
 ])
 def test_bad_arguments_exit_with_a_message(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,6 +65,21 @@ def test_huggingface_workload_is_skipped_with_a_message_without_the_datasets_pac
     results = bench.run(quick=True, rounds=1, only={"W9"})
     assert results["W9"] == {"skipped": "the datasets package is not installed (pip install datasets)"}
     assert "| W9 skipped: the datasets package is not installed" in bench.report(results)
+
+
+def test_plain_getitems_workload_fetches_what_its_samples_are_and_reports_a_row() -> None:
+    from gloader.bench.datasets import BatchedTable
+
+    table = BatchedTable(100)
+    keys = [7, 0, 99, 7]
+    for (row, label), key in zip(table.__getitems__(keys), keys, strict=True):
+        assert (row == table[key][0]).all() and label == table[key][1]
+    results = bench.run(quick=True, rounds=1, only={"W10"})
+    assert set(results) >= {"W10"} and not {"W1", "W9"} & set(results)
+    row = next(line for line in bench.report(results).splitlines() if line.startswith("| W10 "))
+    got = results["W10"]["samples_per_s"]
+    assert _median(row.strip("|").split("|")[5].rstrip("x* ")) == pytest.approx(got["gloader"][0] / got["torch"][0],
+                                                                                 rel=0.01)
 
 
 def test_peers_are_reported_beside_gloader_and_a_missing_tensorpack_is_skipped_with_a_message(monkeypatch) -> None:

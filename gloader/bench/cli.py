@@ -24,6 +24,8 @@ Workloads:
     W9 a HuggingFace `datasets` table in torch format (50,000 rows of float32[64] + label),
         batch 256; both loaders use its batched `__getitems__`. Skipped when `datasets` is
         not installed.
+    W10 the same rows in numpy arrays, with a plain `__getitems__` (one fancy index per
+        batch, then a sample per row), batch 256; both loaders call it once per batch.
     W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data).
     W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench.memory`.
     W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench.device`.
@@ -49,6 +51,7 @@ import torch
 import gloader
 
 from .datasets import (
+    BatchedTable,
     CpuBoundDataset,
     ImageDataset,
     JpegFolder,
@@ -248,6 +251,8 @@ def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str
                  3 * 224 * 224 * 4 + 8, int(24 * scale) or 3, 32 if scale == 1.0 else 2),
         Workload("W9", "HuggingFace datasets table (torch format), batch 256", lambda: huggingface_table(50_000),
                  256, 64 * 4 + 8, int(150 * scale) or 15, 4),
+        Workload("W10", "numpy table with a plain __getitems__, batch 256", lambda: BatchedTable(50_000), 256,
+                 64 * 4 + 8, int(150 * scale) or 15, 4),
     ]
     if only is not None:
         workloads = [w for w in workloads if w.name in only]
@@ -350,7 +355,7 @@ def report(results: dict[str, Any]) -> str:
              "median (min-max)", "",
              "| workload | gloader samples/s | torch samples/s | gloader MB/s | torch MB/s | gloader/torch |",
              "|---|---|---|---|---|---|"]
-    for name in ("W1", "W2", "W3", "W8", "W9"):
+    for name in ("W1", "W2", "W3", "W8", "W9", "W10"):
         if name not in results:
             continue
         res = results[name]
@@ -462,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small run, under a minute")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (needs W1-W4)")
-    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W9; W7 needs CUDA and runs only when named)")
+    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W10; W7 needs CUDA and runs only when named)")
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     if rounds < 1:
@@ -475,9 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     only = None
     if args.workloads:
         only = {w.strip().upper() for w in args.workloads.split(",")}
-        unknown = only - {"W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9"}
+        unknown = only - {f"W{number}" for number in range(1, 11)}
         if unknown:
-            parser.error(f"--workloads takes W1 to W9; got {sorted(unknown)}")
+            parser.error(f"--workloads takes W1 to W10; got {sorted(unknown)}")
         if args.plot and not {"W1", "W2", "W3", "W4"} <= only:
             parser.error("--plot needs W1, W2, W3 and W4")
     torch.set_num_threads(1)

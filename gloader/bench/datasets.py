@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CpuBoundDataset", "ImageDataset", "JpegFolder", "TinyDataset", "calibrate_cpu_work",
+__all__ = ["BatchedTable", "CpuBoundDataset", "ImageDataset", "JpegFolder", "TinyDataset", "calibrate_cpu_work",
            "has_huggingface_datasets", "has_pillow", "huggingface_table", "write_jpeg_folder"]
 
 
@@ -87,6 +87,25 @@ def huggingface_table(length: int) -> Any:
     table = datasets.Dataset.from_dict({"x": rows.random((length, 64), dtype=np.float32),
                                         "label": np.arange(length) % 10})
     return table.with_format("torch")
+
+
+class BatchedTable:
+    """W10: `length` rows of (float32[64], int label) in numpy arrays, with torch's batched
+    `__getitems__` written as a user writes it: one fancy index per batch, then the list of
+    samples that the protocol asks for (row views of that copy, and the labels)."""
+
+    def __init__(self, length: int) -> None:
+        self.x = np.random.default_rng(0).random((length, 64), dtype=np.float32)
+        self.labels = np.arange(length) % 10
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, idx: int) -> Any:
+        return self.x[idx], int(self.labels[idx])
+
+    def __getitems__(self, keys: list[int]) -> list[Any]:
+        return list(zip(self.x[keys], self.labels[keys].tolist()))
 
 
 def write_jpeg_folder(root: str, count: int, classes: int = 10, size: tuple[int, int] = (500, 375)) -> None:
