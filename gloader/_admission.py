@@ -1,24 +1,31 @@
-"""Admission: on a pool with more process workers than CPUs, at most one task per CPU runs
-at a time while tasks keep the CPU busy; the other workers wait for a permit instead of
-time-sharing the CPUs.
+"""Admission: on a pool with more process workers than CPUs, while its tasks keep the CPU
+busy, one worker per CPU takes them and the other workers wait, instead of time-sharing the
+CPUs.
 
 Time-shared CPU-bound workers are switched every time slice, and each switch refills the
 caches: W8 (JPEG decoding) with 4 workers on 2 cores took 157-167 ms of worker CPU a batch
-against 148-156 ms with 2. With permits, a worker switches only between tasks. Measured on
-W8 (fresh loaders, 8 rounds of 48 batches after 32 warm-up, alternating 2 workers, 4 without
-and 4 with permits): 4 workers with permits read 1.028x without (median of the rounds'
-ratios; faster in 7 rounds of 8), and 821 samples/s against 791 without and 808 for 2
-workers (medians). With a first version that let only tasks blocked over 20% of their time
-go without permits: 1.021x (8 rounds of 10), 0.976x 2 workers. 3 workers (the permits shared
-unevenly: two wait for one, the third has its own) read 1.008x without, faster in 6 rounds
-of 8. A prototype of the same scheme on W3 (16 ms batches, 8 rounds of 150): 0.998x and
-1.000x of 2 workers without and with permits.
+against 148-156 ms with 2. A worker takes a permit before it reads its next task from the
+pool's queue and keeps it across tasks, so tasks go only to permit holders (and to workers
+that run without one, below): CPU-bound work runs as with one worker per CPU, with no switch
+between workers at all. Measured with fresh loaders, one iterator across warm-up and timed
+batches, median of the per-round ratios of 4 workers to 2 on 2 cores: W3 (16 ms batches, 10
+rounds of 100 after 20, the benchmark's own turns, twice) 1.004x and 0.996x, against 0.990x
+when a permit was taken per task (and released after it, so the CPU went to a waiting worker
+after every task) and 0.988x without permits; W8 (6 rounds of 48 after 32) 1.003x, against
+0.993x per task and 0.997x without. A permit per task read 1.020x on W8 in 10 other rounds:
+all within the noise of this machine, except that the worker CPU a W8 batch took fell from
+158.8 ms (per task) to 153.5.
 
+No task waits for a permit, so no wait for one can stall the pool: a worker waits for a
+permit only before it reads a task, holding none; a holder either runs a task or waits on
+the queue, so every task queued is taken by a holder or by a worker without permits.
 Permits are POSIX record locks on files of the pool's directory (`_mppool.ProcessLock`): the
-kernel releases a dead worker's permit, so a kill never loses one, and a wait for a permit
-ends when its holder's task does (the loader's `timeout` bounds that task: the caller kills
-its worker). A worker tries every permit once, then waits for its own (worker id modulo the
-number of permits).
+kernel releases a dead worker's permit, so a kill never loses one. A worker tries every
+permit once, then waits for its own (worker id modulo the number of permits).
+
+Stream tasks (an iterable dataset) run without permits: each worker answers from its own
+shard, so a worker kept waiting would keep its shard from the epoch. A worker gives its
+permit back when it takes a stream task, and takes none until it takes a task by key.
 
 Only tasks that keep the CPU busy are held back. The worker splits each task's time, from
 its thread's own counters, into running (CPU time), waiting for a CPU (the scheduler's run
@@ -27,10 +34,10 @@ moving average of the blocked share. A permit holder that blocks leaves its CPU 
 costs about the share it blocks: a synthetic dataset (1 ms of CPU and a sleep per sample, 4
 workers on 2 CPUs) read 0.87x, 0.83x and 0.80x with permits than without when it slept
 ~11%, ~16% and ~20% of the time (from 2 workers' loss), 0.99x when it never slept; with the
-average below, 1.00-1.01x. So a worker asks for permits only while its average stays under
-_BLOCKED_SHARE; a dataset that waits on storage or the network (the reason to start more
-workers than CPUs) keeps every worker running. Where the run delay cannot be read, there are
-no permits.
+average below, 1.00-1.01x. So a worker holds a permit only while its average stays under
+_BLOCKED_SHARE, and gives it back as soon as it goes over; a dataset that waits on storage
+or the network (the reason to start more workers than CPUs) keeps every worker running.
+Where the run delay cannot be read, there are no permits.
 """
 from __future__ import annotations
 
@@ -62,7 +69,10 @@ def usable_cpus() -> int:
 
 
 class Admission:
-    """One worker's side of a pool's permits; `with admission:` around the work of a task.
+    """One worker's side of a pool's permits.
+
+    The pool's task queue calls `before_task()` before the worker waits for its next task;
+    `with admission.task(stream):` goes around the work of each task it takes.
 
     Args:
         permits: the pool's permits, one per CPU (empty: every task runs at once).
@@ -76,27 +86,47 @@ class Admission:
         self._blocked_share = 0.0  # moving average over this worker's tasks
         self._held: ProcessLock | None = None
         self._start: tuple[int, int, int] | None = None
+        self._streaming = False  # the last task was a stream's: no permit until a task by key
+
+    def before_task(self) -> None:
+        """Take a permit unless this worker holds one, serves a stream or blocks too often;
+        waits until one is free (the worker holds no task while it waits)."""
+        if self._held is not None or self._streaming or not self._permits or self._blocked_share > _BLOCKED_SHARE:
+            return
+        if self._schedstat < 0 and not self._open():
+            return
+        self._held = self._take()
+
+    def task(self, stream: bool) -> Admission:
+        """Admission for a task just taken; `stream`: it asks for a stream's next batch, which
+        only this worker's shard can answer, so it runs without a permit."""
+        self._streaming = stream
+        if stream:
+            self._release()
+        return self
 
     def __enter__(self) -> None:
-        if not self._permits or (self._schedstat < 0 and not self._open()):
-            return
-        if self._blocked_share <= _BLOCKED_SHARE:
-            self._held = self._take()
-        self._start = self._times()
+        if self._permits and (self._schedstat >= 0 or self._open()):
+            self._start = self._times()
 
     def __exit__(self, *exc: Any) -> None:
-        if not self._permits:
+        if not self._permits or self._start is None:
             return
-        end = self._times()
+        end, start, self._start = self._times(), self._start, None
+        if end is None:  # the run delay could not be read: no permits from now on
+            self._permits = ()
+            self._release()
+            return
+        wall, cpu, delay = (after - before for after, before in zip(end, start))
+        share = (wall - cpu - delay) / wall if wall > 0 else 0.0
+        self._blocked_share += _SMOOTHING * (share - self._blocked_share)
+        if self._blocked_share > _BLOCKED_SHARE:
+            self._release()
+
+    def _release(self) -> None:
         if self._held is not None:
             self._held.release()
             self._held = None
-        if end is None or self._start is None:  # the run delay could not be read: no permits from now on
-            self._permits = ()
-            return
-        wall, cpu, delay = (after - before for after, before in zip(end, self._start))
-        share = (wall - cpu - delay) / wall if wall > 0 else 0.0
-        self._blocked_share += _SMOOTHING * (share - self._blocked_share)
 
     def _open(self) -> bool:
         try:

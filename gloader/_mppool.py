@@ -15,7 +15,8 @@ import termios
 import time
 from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "make_pool_class", "on_result_sent", "on_task_taken"]
+__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "make_pool_class", "on_result_sent", "on_task_taken",
+           "on_task_wanted"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
@@ -45,10 +46,18 @@ _DRAIN_POLL_MAX_S = 2e-3
 # larger than the capacity go through a file (see _spill).
 _DEFAULT_PIPE_BYTES = 16 * 1024
 
-# Run in a worker with each task it is about to take, and after each result it sends (set
-# by its initializer); None in the caller.
+# Run in a worker before it waits for its next task, with each task it is about to take,
+# and after each result it sends (set by its initializer); None in the caller.
+_task_wanted: Callable[[], None] | None = None
 _task_taken: Callable[[Any], None] | None = None
 _result_sent: Callable[[], None] | None = None
+
+
+def on_task_wanted(callback: Callable[[], None] | None) -> None:
+    """Have this worker process call `callback()` each time, before it waits for a task on
+    the task queue (before it competes with the other workers for the queue's read lock)."""
+    global _task_wanted
+    _task_wanted = callback
 
 
 def on_task_taken(callback: Callable[[Any], None] | None) -> None:
@@ -302,6 +311,8 @@ def _make_queue_class() -> Any:
                     if _task_taken is not None:
                         _task_taken(taken[0])
 
+                if _task_wanted is not None:
+                    _task_wanted()
                 with self._rlock:
                     if self.atomic_reads:
                         data = _take_message(self._reading_socket(), claim if _task_taken is not None else None)

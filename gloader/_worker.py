@@ -32,8 +32,8 @@ from typing import Any, Callable, ContextManager
 from . import _registry
 from ._admission import Admission
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
-from ._mppool import on_result_sent, on_task_taken
-from ._protocol import WorkerFailure, encode, encode_answers
+from ._mppool import on_result_sent, on_task_taken, on_task_wanted
+from ._protocol import StreamRequest, WorkerFailure, encode, encode_answers
 from ._registry import Payload, Registration
 from ._seed import seed_global_rng
 from ._transport import Slot, SlotSpace, close_inherited_segments
@@ -317,7 +317,8 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
     registration = state.link.find(loader_id, state)
     answers: list[Any] = []
     space = SlotSpace(slot)
-    with state.admission or _ADMITTED:
+    admission = state.admission.task(isinstance(batches[0][2], StreamRequest)) if state.admission else _ADMITTED
+    with admission:
         for batch_index, seed, work in batches:
             if registration is None:
                 exc = RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its "
@@ -379,9 +380,11 @@ def initialize_process_worker(spec: PoolSpec, registrations: list[tuple[int, Pay
         link = _ProcessLink(spec, row)
         on_task_taken(functools.partial(_claim_task, link))
         on_result_sent(link.end)
+        admission = Admission(spec.permits, worker_id) if spec.permits else None
+        if admission is not None:
+            on_task_wanted(admission.before_task)
         _PROCESS_STATE = WorkerState(worker_id, spec.num_workers, SharedMemoryWriter(), link, _seed_globals,
-                                     crosses_process=True,
-                                     admission=Admission(spec.permits, worker_id) if spec.permits else None)
+                                     crosses_process=True, admission=admission)
         _register_all(_PROCESS_STATE, registrations)
     except BaseException:  # pragma: no cover - last resort; the first task reports the loader as missing
         logger.exception("gloader worker initialization failed")

@@ -1,15 +1,18 @@
-"""Admission: a pool with more process workers than CPUs runs one CPU-bound task per CPU at a
-time; tasks that block (storage, network) run side by side; a killed worker's permit is freed."""
+"""Admission: a pool with more process workers than CPUs gives CPU-bound tasks to one worker
+per CPU; tasks that block (storage, network) and stream tasks run side by side; a killed
+worker's permit is freed."""
 from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import Any
 
 import multiprocess
 import numpy as np
 import pytest
 
+import gloader
 from gloader import DataLoader, WorkerExitedError, WorkerPool, _admission, _pool
 from gloader._mppool import ProcessLock
 from tests import _data
@@ -34,6 +37,11 @@ def _load(dataset: _data.Occupies, min_workers: int = 2, **options: Any) -> np.n
         return rows
 
 
+def _workers(rows: np.ndarray) -> set[int]:
+    """The workers (pids) that loaded the samples of `rows`."""
+    return set(rows[:, 0].tolist())
+
+
 _MAX_EPOCHS = 20
 
 
@@ -44,11 +52,15 @@ def one_cpu(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("start_method", [None, "spawn"])
-def test_cpu_bound_tasks_beyond_the_cpus_wait_for_a_permit_instead_of_time_sharing(one_cpu, start_method) -> None:
-    """Spawned workers open the permits by their paths."""
-    rows = _load(_data.Occupies("spin"), num_workers=3, start_method=start_method)
-    assert len(set(rows[:, 0].tolist())) >= 2  # several workers took part, in some epoch
-    assert _overlaps(rows) == 0
+def test_cpu_bound_tasks_beyond_the_cpus_go_to_one_worker_per_cpu(one_cpu, start_method) -> None:
+    """The others wait for a permit instead of time-sharing the CPU (the test without the
+    run delay below shows the same load overlapping). Spawned workers open the permits by
+    their paths."""
+    with DataLoader(_data.Occupies("spin"), batch_size=1, num_workers=3, start_method=start_method,
+                    timeout=30) as loader:
+        rows = np.concatenate([batch.numpy() for _ in range(3) for batch in loader])
+        assert len(loader.worker_pids()) == 3
+    assert len(_workers(rows)) == 1 and _overlaps(rows) == 0
 
 
 def test_tasks_that_block_run_side_by_side_beyond_the_permits(one_cpu) -> None:
@@ -94,11 +106,46 @@ def test_a_worker_that_can_no_longer_read_the_run_delay_frees_its_permit_and_tak
     permit = ProcessLock(str(tmp_path / "permit.lock"))
     admission = _admission.Admission([permit], worker_id=0)
     try:
-        with admission:
-            assert not _free_elsewhere(permit)
+        admission.before_task()
+        with admission.task(stream=False):
+            _spin(0.01)  # a task that keeps the CPU busy (the check below blocks: not in a task)
+        assert not _free_elsewhere(permit)  # kept for the next task
+        with admission.task(stream=False):
             os.close(admission._schedstat)  # the next read fails
         assert _free_elsewhere(permit)
-        with admission:
+        admission.before_task()
+        with admission.task(stream=False):
             assert _free_elsewhere(permit)
     finally:
         permit.close()
+
+
+def _spin(seconds: float) -> None:
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
+class _SpinningShards(gloader.IterableDataset):
+    """Each worker yields `per_worker` samples of its own (its id), spinning on the CPU for each."""
+
+    def __init__(self, per_worker: int, seconds: float = 0.005) -> None:
+        self.per_worker = per_worker
+        self.seconds = seconds
+
+    def __iter__(self) -> Any:
+        info = gloader.get_worker_info()
+        for _ in range(self.per_worker):
+            _spin(self.seconds)
+            yield np.array([info.id], dtype=np.int64)
+
+
+def test_stream_tasks_run_without_permits_so_that_every_shard_is_served(one_cpu, monkeypatch) -> None:
+    """Each worker streams its own shard: one kept waiting for a permit would keep its shard
+    from the epoch, and the epoch would end in a timeout. Here no amount of blocking (a shard
+    that has ended answers in microseconds, and such short tasks read as blocked) makes a
+    holder give its permit back: only the stream rule lets the waiting workers in."""
+    monkeypatch.setattr(_admission, "_BLOCKED_SHARE", 1.0)
+    with DataLoader(_SpinningShards(4), batch_size=1, num_workers=3, timeout=10) as loader:
+        for _ in range(2):
+            assert sorted(int(batch) for batch in loader) == [0] * 4 + [1] * 4 + [2] * 4
