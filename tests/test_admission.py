@@ -149,3 +149,19 @@ def test_stream_tasks_run_without_permits_so_that_every_shard_is_served(one_cpu,
     with DataLoader(_SpinningShards(4), batch_size=1, num_workers=3, timeout=10) as loader:
         for _ in range(2):
             assert sorted(int(batch) for batch in loader) == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_a_shared_pool_serves_a_loader_by_key_and_a_stream_side_by_side(one_cpu) -> None:
+    """Workers go from holding a permit (tasks by key) to running without one (stream tasks)
+    and back, batch by batch, as a train loader and a streamed validation set take turns."""
+    with WorkerPool(3) as pool:
+        with DataLoader(_data.Occupies("spin", seconds=0.003, length=12), batch_size=2, pool=pool,
+                        timeout=10) as by_key, \
+                DataLoader(_SpinningShards(3, 0.003), batch_size=1, pool=pool, timeout=10) as stream:
+            for _ in range(2):
+                keyed, streamed = iter(by_key), iter(stream)
+                rows = [next(keyed) for _ in range(2)]
+                shards = [int(batch) for batch in streamed]  # the whole stream epoch amid the keyed one
+                rows += list(keyed)
+                assert sorted(shards) == [0] * 3 + [1] * 3 + [2] * 3
+                assert len(rows) == 6 and all(batch.shape == (2, 3) for batch in rows)
