@@ -12,7 +12,7 @@ batches, median of the per-round ratios of 4 workers to 2 on 2 cores: W3 (16 ms 
 rounds of 100 after 20, the benchmark's own turns, twice) 1.004x and 0.996x, against 0.990x
 when a permit was taken per task (and released after it, so the CPU went to a waiting worker
 after every task) and 0.988x without permits; W8 (6 rounds of 48 after 32) 1.003x, against
-0.993x per task and 0.997x without. A permit per task read 1.020x on W8 in 10 other rounds:
+0.993x per task and 0.997x without, and 0.994x in 8 rounds of the benchmark's turns. A permit per task read 1.020x on W8 in 10 other rounds:
 all within the noise of this machine, except that the worker CPU a W8 batch took fell from
 158.8 ms (per task) to 153.5.
 
@@ -108,20 +108,26 @@ class Admission:
     def __enter__(self) -> None:
         if self._permits and (self._schedstat >= 0 or self._open()):
             self._start = self._times()
+            if self._start is None:
+                self._stop()
 
     def __exit__(self, *exc: Any) -> None:
         if not self._permits or self._start is None:
             return
         end, start, self._start = self._times(), self._start, None
-        if end is None:  # the run delay could not be read: no permits from now on
-            self._permits = ()
-            self._release()
+        if end is None:
+            self._stop()
             return
         wall, cpu, delay = (after - before for after, before in zip(end, start))
         share = (wall - cpu - delay) / wall if wall > 0 else 0.0
         self._blocked_share += _SMOOTHING * (share - self._blocked_share)
         if self._blocked_share > _BLOCKED_SHARE:
             self._release()
+
+    def _stop(self) -> None:
+        """The run delay could not be read: no permits from now on."""
+        self._permits = ()
+        self._release()
 
     def _release(self) -> None:
         if self._held is not None:
@@ -132,7 +138,7 @@ class Admission:
         try:
             self._schedstat = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:  # no run delay to tell waiting for a CPU from blocking
-            self._permits = ()
+            self._stop()
             return False
         return True
 

@@ -116,6 +116,12 @@ def test_a_worker_that_can_no_longer_read_the_run_delay_frees_its_permit_and_tak
         admission.before_task()
         with admission.task(stream=False):
             assert _free_elsewhere(permit)
+        again = _admission.Admission([permit], worker_id=0)
+        again.before_task()
+        assert not _free_elsewhere(permit)
+        os.close(again._schedstat)  # the read at the task's start fails
+        with again.task(stream=False):
+            assert _free_elsewhere(permit)
     finally:
         permit.close()
 
