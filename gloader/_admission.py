@@ -11,10 +11,11 @@ between workers at all. Measured with fresh loaders, one iterator across warm-up
 batches, median of the per-round ratios of 4 workers to 2 on 2 cores: W3 (16 ms batches, 10
 rounds of 100 after 20, the benchmark's own turns, twice) 1.004x and 0.996x, against 0.990x
 when a permit was taken per task (and released after it, so the CPU went to a waiting worker
-after every task) and 0.988x without permits; W8 (6 rounds of 48 after 32) 1.003x, against
-0.993x per task and 0.997x without, and 0.994x in 8 rounds of the benchmark's turns. A
-permit per task read 1.020x on W8 in 10 other rounds: all within the noise of this machine,
-except that the worker CPU a W8 batch took fell from 158.8 ms (per task) to 153.5.
+after every task) and 0.988x without permits (8 rounds of 150 after 20); W8 (6 rounds of 48
+after 32) 1.003x, against 0.993x per task and 0.997x without, and 0.994x in 8 rounds of the
+benchmark's turns. A permit per task read 1.020x on W8 in 10 other rounds: all within the
+noise of this machine, except that the worker CPU a W8 batch took fell from 158.8 ms (per
+task) to 153.5.
 
 No task waits for a permit, so no wait for one can stall the pool: a worker waits for a
 permit only before it reads a task, holding none; a holder either runs a task or waits on
