@@ -65,10 +65,10 @@ _MALLOC_TRIM_THRESHOLD_BYTES = 256 << 20
 # 0.953 with the loaders side by side; longer slices also keep a worker that holds the
 # oldest batch (collected first) waiting longer. The price is in the caller's rare wake-up
 # delays: a 2 ms sleep overshot by at most 7.5-9.4 ms instead of 4-5 (median and p90
-# unchanged), which is why pools that fit their CPUs keep the default. Such pools also give
-# CPU-bound tasks to one worker per CPU (see _admission); the slice still counts for workers
-# that run without a permit (tasks that block, streams). Larger: fewer switches between oversubscribed
-# workers; smaller: shorter worst-case delays.
+# unchanged), which is why pools that fit their CPUs keep the default. Pools with more
+# workers than CPUs also give CPU-bound tasks to one worker per CPU (see _admission); the
+# slice still counts for workers that run without a permit (tasks that block, streams).
+# Larger: fewer switches between oversubscribed workers; smaller: shorter worst-case delays.
 _WORKER_SLICE_NS = 10_000_000
 # struct sched_attr as sched_setattr(2) takes it (its first, 56-byte version), and the
 # system call's number where gloader asks for the slice.

@@ -425,6 +425,13 @@ class ExitsAt(gloader.Dataset):
         return np.array([idx])
 
 
+def spin(seconds: float) -> None:
+    """Keep this thread's CPU busy for `seconds` of its own CPU time."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
 def hold_lock_forever(lock: Any, taken: Any) -> None:
     """A process that takes `lock`, says so, and waits to be killed."""
     lock.acquire()
@@ -448,9 +455,7 @@ class Occupies(gloader.Dataset):
     def __getitem__(self, idx: int) -> Any:
         start = time.monotonic_ns()
         if self.how != "sleep":
-            until = time.thread_time() + self.seconds
-            while time.thread_time() < until:
-                pass
+            spin(self.seconds)
         if self.how != "spin":
             time.sleep(self.seconds if self.how == "sleep" else self.seconds / 5)
         return np.array([os.getpid(), start, time.monotonic_ns()], dtype=np.int64)

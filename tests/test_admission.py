@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from typing import Any
 
 import multiprocess
@@ -32,7 +31,7 @@ def _load(dataset: _data.Occupies, min_workers: int = 2, **options: Any) -> np.n
         rows = np.empty((0, 3), dtype=np.int64)
         for _ in range(_MAX_EPOCHS):
             rows = np.concatenate([rows, *(batch.numpy() for batch in loader)])
-            if len(set(rows[:, 0].tolist())) >= min_workers:
+            if len(_workers(rows)) >= min_workers:
                 break
         return rows
 
@@ -108,7 +107,7 @@ def test_a_worker_that_can_no_longer_read_the_run_delay_frees_its_permit_and_tak
     try:
         admission.before_task()
         with admission.task(stream=False):
-            _spin(0.01)  # a task that keeps the CPU busy (the check below blocks: not in a task)
+            _data.spin(0.01)  # a task that keeps the CPU busy (the check below blocks: not in a task)
         assert not _free_elsewhere(permit)  # kept for the next task
         with admission.task(stream=False):
             os.close(admission._schedstat)  # the next read fails
@@ -126,12 +125,6 @@ def test_a_worker_that_can_no_longer_read_the_run_delay_frees_its_permit_and_tak
         permit.close()
 
 
-def _spin(seconds: float) -> None:
-    until = time.thread_time() + seconds
-    while time.thread_time() < until:
-        pass
-
-
 class _SpinningShards(gloader.IterableDataset):
     """Each worker yields `per_worker` samples of its own (its id), spinning on the CPU for each."""
 
@@ -142,7 +135,7 @@ class _SpinningShards(gloader.IterableDataset):
     def __iter__(self) -> Any:
         info = gloader.get_worker_info()
         for _ in range(self.per_worker):
-            _spin(self.seconds)
+            _data.spin(self.seconds)
             yield np.array([info.id], dtype=np.int64)
 
 
