@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
 import re
 import subprocess
 import sys
@@ -89,7 +90,7 @@ def test_peers_are_reported_beside_gloader_and_a_missing_tensorpack_is_skipped_w
     results = bench.run(quick=True, rounds=1, only={"W1"})
     assert results["W1"]["skipped_peers"] == {"tensorpack": "not installed (pip install tensorpack)"}
     got = results["W1"]["samples_per_s"]
-    assert set(got) == {"gloader", "torch", "in-process", "gloader nw=1"} and all(v[0] > 0 for v in got.values())
+    assert set(got) == {"gloader", "torch", "in-process", "gloader nw=1", "ceiling"} and all(v[0] > 0 for v in got.values())
     row = next(line for line in bench.report(results).splitlines() if line.startswith("| W1 |"))
     cells = row.strip("|").split("|")
     assert _median(cells[1]) == pytest.approx(got["gloader"][0], rel=1e-3)
@@ -219,3 +220,24 @@ def test_the_report_gives_the_ceiling_over_torch_from_each_rounds_times() -> Non
     bound = next(line for line in lines if line.startswith("Ceiling / torch"))
     # 1.5 / 0.9 = 1.67 and 1.1 / 1.0 = 1.10: their median is 1.38
     assert bound.endswith("W8 1.38 (1.10-1.67)x")
+    assert not any(line.startswith("Ceiling / tensorpack") for line in lines)  # not a W8 peer
+
+
+def test_the_report_gives_the_ceiling_over_tensorpack_where_both_ran() -> None:
+    # Round times (s): gloader 1.0 and 1.0, tensorpack 0.9 and 1.2, ceiling 0.6 and 0.8.
+    ratios = {"torch": [5.0, 6.0], "tensorpack": [0.9, 1.2], "ceiling": [0.6, 0.8]}
+    samples = {"gloader": [10.0, 10.0], "torch": [2.0, 1.7], "tensorpack": [11.1, 8.3], "ceiling": [16.7, 12.5]}
+    results = {"rounds": 2, "W1": {"title": "t", "samples_per_s": samples, "mb_per_s": samples, "ratio": [5.0, 6.0],
+                                   "ratios": ratios, "skipped_peers": {}}}
+    lines = bench.report(results).splitlines()
+    bound = next(line for line in lines if line.startswith("Ceiling / tensorpack"))
+    # 0.9 / 0.6 = 1.50 and 1.2 / 0.8 = 1.50
+    assert bound.endswith("W1 1.50 (1.50-1.50)x")
+
+
+def test_the_report_names_the_machine_it_ran_on() -> None:
+    results = bench.run(quick=True, rounds=1, only={"W5"})
+    line = next(line for line in bench.report(results).splitlines() if line.startswith("Machine: "))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert f", {cpus} CPUs usable;" in line and f"torch {torch.__version__}," in line
+    assert results["machine"] == line.removeprefix("Machine: ")

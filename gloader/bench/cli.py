@@ -10,7 +10,7 @@ loaders before it are idle, then takes some batches untimed (workers start, memo
 allocated), then the timed ones. The report gives medians and min-max over the rounds.
 Peers beside torch on W1-W3: the loop a user writes without workers, gloader with one
 worker, and tensorpack's MultiProcessRunnerZMQ with two (W1, W2; skipped with a message when
-tensorpack is not installed). On W3 and W8, the compute ceiling: two processes that load
+tensorpack is not installed). On W1, W3 and W8, the compute ceiling: two processes that load
 each batch's samples and drop them (no batching, no transfer), the most any loader with two
 workers can deliver here.
 
@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import platform
 import shutil
 import statistics
 import sys
@@ -46,6 +47,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 import gloader
@@ -78,7 +80,7 @@ _SETTLE_DEADLINE_S = 30.0
 
 
 # Peers measured beside gloader (nw=2) and torch (nw=2, persistent workers), per workload.
-_PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack"), "W2": ("in-process", "gloader nw=1", "tensorpack"),
+_PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "ceiling"), "W2": ("in-process", "gloader nw=1", "tensorpack"),
           "W3": ("in-process", "gloader nw=1", "ceiling"), "W8": ("ceiling",)}
 _SCALING = ("W3", "W8")
 _SCALING_WORKERS = (1, 2, 4)
@@ -198,6 +200,27 @@ class _Progress:
         sys.stderr.flush()
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _machine() -> str:
+    """What the figures were measured on: the CPU, how many CPUs this process may use, the
+    system and the versions that matter (runs on different machines differ by far more than
+    rounds of one run)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{_cpu_model()}, {cpus} CPUs usable; {platform.system()} {platform.release()}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
+            f"gloader {gloader.__version__}")
+
+
 def _summary(values: list[float]) -> str:
     return f"{statistics.median(values):8.2f} ({min(values):.2f}-{max(values):.2f})"
 
@@ -206,7 +229,7 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
     """Run the workloads (all, or those named in `only`); returns per-round measurements."""
     size = calibrate_cpu_work()
     scale = 0.1 if quick else 1.0
-    results: dict[str, Any] = {"rounds": rounds, "cpu_work_size": size}
+    results: dict[str, Any] = {"rounds": rounds, "cpu_work_size": size, "machine": _machine()}
     with contextlib.ExitStack() as cleanup:
         workloads = _workloads(size, scale, only, results, cleanup)
         with_latency = only is None or "W4" in only
@@ -352,7 +375,7 @@ def _run_memory(quick: bool, only: set[str] | None, results: dict[str, Any]) -> 
 def report(results: dict[str, Any]) -> str:
     """Format the results as a Markdown table (medians, min-max over rounds)."""
     lines = [f"gloader vs torch.utils.data.DataLoader, num_workers={_WORKERS}, {results['rounds']} rounds, "
-             "median (min-max)", "",
+             "median (min-max)", "", f"Machine: {results.get('machine') or _machine()}", "",
              "| workload | gloader samples/s | torch samples/s | gloader MB/s | torch MB/s | gloader/torch |",
              "|---|---|---|---|---|---|"]
     for name in ("W1", "W2", "W3", "W8", "W9", "W10"):
@@ -397,13 +420,15 @@ def _report_peers(results: dict[str, Any]) -> list[str]:
             else:
                 cells.append(f"skipped: {res['skipped_peers'].get(peer, 'not measured here')}")
         lines.append(f"| {name} | {_summary(res['samples_per_s']['gloader'])} | " + " | ".join(cells) + " |")
-    bounds = []
-    for name in rows:
-        ratios = results[name]["ratios"]
-        if "ceiling" in ratios:  # per round: (t_torch / t_gloader) / (t_ceiling / t_gloader)
-            bounds.append(f"{name} {_summary([th / ce for th, ce in zip(ratios['torch'], ratios['ceiling'])]).strip()}x")
-    if bounds:
-        lines += ["", f"Ceiling / torch nw={_WORKERS}, the most any loader can lead torch by here: " + ", ".join(bounds)]
+    for peer in ("torch", "tensorpack"):
+        bounds = []
+        for name in rows:
+            ratios = results[name]["ratios"]
+            if "ceiling" in ratios and peer in ratios:  # per round: (t_peer / t_gloader) / (t_ceiling / t_gloader)
+                bounds.append(f"{name} {_summary([t / ce for t, ce in zip(ratios[peer], ratios['ceiling'])]).strip()}x")
+        if bounds:
+            lines += ["", f"Ceiling / {peer} nw={_WORKERS}, the most any loader can lead {peer} by here: "
+                      + ", ".join(bounds)]
     return lines
 
 
