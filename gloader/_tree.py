@@ -8,7 +8,8 @@ Planning first lets a worker size its shared-memory slot and then write each byt
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Mapping  # typing's alias checks isinstance ~2x slower
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numbers
 import operator
-from typing import Any, Callable, Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence  # typing's aliases check isinstance ~2x slower
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
