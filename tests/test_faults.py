@@ -164,8 +164,12 @@ def _run_script(tmp_path, body: str, new_session: bool = False) -> Iterator[subp
     """Run `body` as the main block of a script; always reap it and close its pipes.
     `new_session`: the script leads its own process group, as a job under a scheduler does."""
     script = tmp_path / "script.py"
+    # The script handles Ctrl-C as a program started from a terminal does, even when the tests
+    # run where SIGINT is ignored (a background job of a non-interactive shell): Python leaves
+    # an inherited SIG_IGN in place, and the Ctrl-C test would wait for its 30 s sample.
     script.write_text(textwrap.dedent(f"""
-        import os, sys, time
+        import os, signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {ROOT!r})
         import numpy as np
         from gloader import DataLoader
