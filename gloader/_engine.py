@@ -89,8 +89,12 @@ _HELD_WITH_DESCRIPTOR = 4
 # The window then holds `prefetch` tasks. Longer target: less overhead per batch; shorter:
 # sooner first batches after a change and less memory in flight. Batches that take longer
 # than the target, or streams, go one to a task. Measured on W1 (CPU per batch, caller and
-# workers, three alternating pairs): 5 ms / 16 batches 475-498 us, 10 ms / 32 463-478 us.
-_TASK_TARGET_S = 0.01
+# workers, three alternating pairs): 5 ms / 16 batches 475-498 us, 10 ms / 32 463-478 us. On
+# a host where a pipe write that wakes its reader costs 0.2-0.3 ms (KVM, AMD EPYC), 10 ms
+# made W1 tasks of ~17 batches; 20 ms (30, where the keys cap them) took 3.0% less CPU a
+# batch and read 5.2% faster (medians of 20 alternating rounds, 17 with less CPU), 0.8-2.2%
+# and 2.2-2.7% in two shorter series; 40 ms with up to 64 batches read 3.5% slower (8 rounds).
+_TASK_TARGET_S = 0.02
 _MAX_BATCHES_PER_TASK = 32
 _TASK_BYTES = 1 << 20
 # The sample keys a task message may carry (room left for the rest of the message), and
