@@ -412,6 +412,32 @@ def test_a_task_of_several_batches_stays_well_inside_the_timeout() -> None:
             assert per_task == 1 or per_task * engine._batch_cost_s <= timeout_s / 4
 
 
+def test_the_tasks_of_each_epoch_grow_from_one_batch() -> None:
+    """An epoch's first batch waits for one batch of work, not a whole task of them."""
+    with DataLoader(np.zeros((4000, 4), np.float32), batch_size=4, num_workers=2) as loader:
+        list(loader)  # epoch 0 measures the batches: cheap and tiny, so later ones are grouped
+        engine = loader._engine
+        per_task = engine.batches_per_task()
+        assert per_task >= 8
+        sent: list[tuple[int, int]] = []
+        backend = engine._backend
+        submit = backend.submit
+
+        def spy(args: tuple, on_ready: object) -> object:
+            sent.append((args[1], len(args[2])))  # (epoch, batches in the task)
+            return submit(args, on_ready)
+
+        backend.submit = spy
+        for _ in range(3):
+            assert len(list(loader)) == 1000
+    # Epoch 1 may have been dispatched in part before the spy, and epoch 4 is only begun.
+    assert {epoch for epoch, _ in sent} >= {2, 3}
+    for epoch in (2, 3):
+        sizes = [count for e, count in sent if e == epoch]
+        assert sum(sizes) == 1000
+        assert sizes[:4] == [1, 2, 4, 8] and max(sizes) == per_task
+
+
 def test_large_batches_travel_one_to_a_task() -> None:
     with DataLoader(np.zeros((64, 65536), np.float32), batch_size=8, num_workers=2) as loader:  # 2 MiB batches
         for _ in range(2):
