@@ -332,7 +332,7 @@ class Engine:
             if first.epoch != self._ramp_epoch:
                 self._ramp_epoch, self._ramp = first.epoch, 1
             limit = min(per_task, self._ramp)
-            self._ramp *= 2
+            self._ramp = min(2 * self._ramp, _MAX_BATCHES_PER_TASK)
             key_bytes = _key_bytes(first.work)
             while len(jobs) < limit and not isinstance(first.work, StreamRequest):
                 job = next_job()
