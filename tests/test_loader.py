@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gloader
-from gloader import ArrayDataset, DataLoader, SimpleDataset
+from gloader import ArrayDataset, DataLoader, SimpleDataset, _engine
 from tests import _data
 
 pytestmark = pytest.mark.timeout(60)
@@ -430,6 +430,10 @@ def test_the_tasks_of_each_epoch_grow_from_one_batch() -> None:
         backend.submit = spy
         for _ in range(3):
             assert len(list(loader)) == 1000
+        it = iter(loader)
+        for _ in range(500):  # ~20 tasks into the epoch
+            next(it)
+        assert engine._ramp == _engine._MAX_BATCHES_PER_TASK  # it stops doubling at the most a task may carry
     # Epoch 1 may have been dispatched in part before the spy, and epoch 4 is only begun.
     assert {epoch for epoch, _ in sent} >= {2, 3}
     for epoch in (2, 3):

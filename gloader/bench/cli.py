@@ -80,7 +80,8 @@ _SETTLE_DEADLINE_S = 30.0
 
 
 # Peers measured beside gloader (nw=2) and torch (nw=2, persistent workers), per workload.
-_PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "ceiling"), "W2": ("in-process", "gloader nw=1", "tensorpack"),
+_PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "ceiling"),
+          "W2": ("in-process", "gloader nw=1", "tensorpack"),
           "W3": ("in-process", "gloader nw=1", "ceiling"), "W8": ("ceiling",)}
 _SCALING = ("W3", "W8")
 _SCALING_WORKERS = (1, 2, 4)
