@@ -31,7 +31,12 @@ permit back when it takes a stream task, and takes none until it takes a task by
 Only tasks that keep the CPU busy are held back. The worker splits each task's time, from
 its thread's own counters, into running (CPU time), waiting for a CPU (the scheduler's run
 delay, /proc/thread-self/schedstat) and blocked (the rest: reads, sleeps, locks), and keeps
-a moving average of the blocked share. A permit holder that blocks leaves its CPU idle,
+a moving average of the blocked share. A task that never gave up its CPU of its own accord
+(no voluntary context switch, getrusage(RUSAGE_THREAD)) did not block, whatever its times
+say: on a virtual machine the hypervisor takes the CPU from a running guest now and then
+(steal time), and that time is neither the thread's CPU time nor its run delay, so a
+CPU-bound task on a busy host read as blocked by the share stolen, lost its permit and
+time-shared the CPUs again. A permit holder that blocks leaves its CPU idle,
 which costs about the share it blocks: a synthetic dataset (1 ms of CPU and a sleep per
 sample, 4 workers on 2 CPUs) read 0.87x, 0.83x and 0.80x with permits than without when it
 slept ~11%, ~16% and ~20% of the time (from 2 workers' loss), 0.99x when it never slept;
@@ -45,6 +50,7 @@ read, there are no permits.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from typing import Any, Sequence
 
@@ -64,6 +70,8 @@ _BLOCKED_SHARE = 0.03
 # (a cold first epoch, a warm second) in fewer tasks; smaller: one odd task moves it less.
 _SMOOTHING = 0.25
 _SCHEDSTAT = "/proc/thread-self/schedstat"
+# Linux's (where the run delay can be read): the calling thread's counters only.
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
 def usable_cpus() -> int:
@@ -88,7 +96,7 @@ class Admission:
         self._schedstat = -1  # opened by the thread that runs the tasks, at its first task; kept until exit
         self._blocked_share = 0.0  # moving average over this worker's tasks
         self._held: ProcessLock | None = None
-        self._start: tuple[int, int, int] | None = None
+        self._start: tuple[int, int, int, int] | None = None
         self._streaming = False  # the last task was a stream's: no permit until a task by key
 
     def before_task(self) -> None:
@@ -121,8 +129,8 @@ class Admission:
         if end is None:
             self._stop()
             return
-        wall, cpu, delay = (after - before for after, before in zip(end, start))
-        share = (wall - cpu - delay) / wall if wall > 0 else 0.0
+        wall, cpu, delay, waits = (after - before for after, before in zip(end, start))
+        share = (wall - cpu - delay) / wall if wall > 0 and waits > 0 else 0.0
         self._blocked_share += _SMOOTHING * (share - self._blocked_share)
         if self._blocked_share > _BLOCKED_SHARE:
             self._release()
@@ -158,10 +166,12 @@ class Admission:
             return None
         return permit
 
-    def _times(self) -> tuple[int, int, int] | None:
-        """(wall, CPU, run delay) of this thread so far, in ns; None if the run delay cannot be read."""
+    def _times(self) -> tuple[int, int, int, int] | None:
+        """(wall, CPU, run delay in ns, voluntary context switches) of this thread so far;
+        None if the run delay cannot be read."""
         try:
             delay = int(os.pread(self._schedstat, 128, 0).split()[1])
         except (OSError, ValueError, IndexError):
             return None
-        return time.perf_counter_ns(), time.thread_time_ns(), delay
+        waits = resource.getrusage(_RUSAGE_THREAD).ru_nvcsw
+        return time.perf_counter_ns(), time.thread_time_ns(), delay, waits

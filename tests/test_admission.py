@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import Any
 
 import multiprocess
@@ -122,6 +123,44 @@ def test_a_worker_that_can_no_longer_read_the_run_delay_frees_its_permit_and_tak
         with again.task(stream=False):
             assert _free_elsewhere(permit)
     finally:
+        permit.close()
+
+
+class _StolenWall:
+    """`time` for the admission module, whose wall clock jumps `stolen_ns` at each reading
+    while the thread runs: a hypervisor taking the CPU from a running guest (steal time) shows
+    up in neither the thread's CPU time nor its run delay."""
+
+    def __init__(self, stolen_ns: int) -> None:
+        self.stolen_ns = stolen_ns
+        self.readings = 0
+
+    def perf_counter_ns(self) -> int:
+        self.readings += 1
+        return time.perf_counter_ns() + self.readings * self.stolen_ns
+
+    def thread_time_ns(self) -> int:
+        return time.thread_time_ns()
+
+
+def test_a_cpu_bound_worker_keeps_its_permit_on_a_host_that_steals_time(tmp_path, monkeypatch) -> None:
+    """Only a task that gave up its CPU (a voluntary context switch) can have blocked; one
+    that lost half its wall time to steal without one is still CPU-bound. A task that slept
+    through the same clocks gives the permit back."""
+    monkeypatch.setattr(_admission, "time", _StolenWall(stolen_ns=10_000_000))
+    permit = ProcessLock(str(tmp_path / "permit.lock"))
+    admission = _admission.Admission([permit], worker_id=0)
+    try:
+        for _ in range(4):
+            admission.before_task()
+            with admission.task(stream=False):
+                _data.spin(0.01)
+            assert not _free_elsewhere(permit)
+        with admission.task(stream=False):
+            time.sleep(0.01)
+        assert _free_elsewhere(permit)
+    finally:
+        os.close(admission._schedstat)
         permit.close()
 
 
