@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import platform
+import select
 import signal
 import struct
 import sys
@@ -464,8 +465,33 @@ def _is_orphaned(parent: int, main_pid: int) -> bool:
 
 
 def _watch_parent(parent: int, main_pid: int) -> None:
-    """Exit when the caller is gone (the kernel frees the shared memory with the last mapping)."""
-    while True:
+    """Exit when the caller is gone (the kernel frees the shared memory with the last mapping).
+
+    Where the system has process file descriptors (Linux 5.3+), the thread sleeps in poll()
+    until one of the two exits, holding no GIL and never waking: a thread that woke every
+    _PARENT_POLL_S took the GIL from the task running beside it, and that wait is a voluntary
+    context switch, which admission reads as the task having blocked (see _admission)."""
+    watched = _pidfds({parent, main_pid})
+    # Checked after opening: a pid already gone could have been reused by the time it was opened.
+    if watched is not None and not _is_orphaned(parent, main_pid):
+        watched.poll()
+    while not _is_orphaned(parent, main_pid):
         time.sleep(_PARENT_POLL_S)
-        if _is_orphaned(parent, main_pid):
-            os._exit(0)
+    os._exit(0)
+
+
+def _pidfds(pids: set[int]) -> select.poll | None:
+    """A poll object that wakes when any of `pids` exits; None where a pid is gone already
+    or pidfd_open is missing or refused (ENOSYS before Linux 5.3, EPERM under some sandboxes)."""
+    if not hasattr(os, "pidfd_open"):
+        return None
+    watched, opened = select.poll(), []
+    try:
+        for pid in pids:
+            opened.append(os.pidfd_open(pid))
+            watched.register(opened[-1], select.POLLIN)
+    except OSError:
+        for fd in opened:
+            os.close(fd)
+        return None
+    return watched

@@ -6,6 +6,7 @@ import collections
 import faulthandler
 import os
 import random
+import resource
 import signal
 import threading
 import time
@@ -459,3 +460,20 @@ class Occupies(gloader.Dataset):
         if self.how != "spin":
             time.sleep(self.seconds if self.how == "sleep" else self.seconds / 5)
         return np.array([os.getpid(), start, time.monotonic_ns()], dtype=np.int64)
+
+
+class CountsVoluntarySwitches(gloader.Dataset):
+    """Sample i spins for `seconds` of CPU time and is how many times its thread gave up the
+    CPU of its own accord meanwhile (blocked on anything, the GIL included)."""
+
+    def __init__(self, seconds: float, length: int) -> None:
+        self.seconds = seconds
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+        spin(self.seconds)
+        return np.int64(resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before)

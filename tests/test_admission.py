@@ -164,6 +164,16 @@ def test_a_cpu_bound_worker_keeps_its_permit_on_a_host_that_steals_time(tmp_path
         permit.close()
 
 
+@pytest.mark.parametrize("start_method", [None, "spawn"])
+def test_a_worker_spinning_on_a_task_never_gives_up_its_cpu(start_method) -> None:
+    """Nothing else in a worker takes the GIL from its task (the watch on the caller sleeps in
+    poll() without it), so a CPU-bound task reads as such to admission. The watch used to wake
+    every 0.2 s: 1-5 switches in 4 tasks of 0.5 s."""
+    with DataLoader(_data.CountsVoluntarySwitches(0.5, length=4), batch_size=1, num_workers=2,
+                    start_method=start_method, timeout=30) as loader:
+        assert [int(batch) for batch in loader] == [0, 0, 0, 0]
+
+
 class _SpinningShards(gloader.IterableDataset):
     """Each worker yields `per_worker` samples of its own (its id), spinning on the CPU for each."""
 
