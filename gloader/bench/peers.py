@@ -14,6 +14,7 @@ import io
 import logging
 import multiprocessing
 import queue
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -43,6 +44,12 @@ class InProcessLoop:
 
 # How long the ceiling's caller waits for one batch before it gives up (a worker died).
 _CEILING_WAIT_S = 120.0
+# How often a ceiling process says how many batches it has loaded (slower batches: each).
+# A note per batch, as it was, cost a W1 batch a wake-up of the process's queue feeder
+# thread and of the caller: on 2 cores that work went to the same CPUs as the loading and
+# the ceiling read lower and wider than what the loading costs. Longer: less of that; shorter:
+# the timed batches start and end closer to when they were loaded (a turn lasts seconds).
+_CEILING_NOTE_S = 0.01
 
 
 # glibc malloc settings of gloader's workers. The benchmark uses gloader's public API only,
@@ -61,41 +68,49 @@ def _keep_freed_memory() -> None:
         pass  # not glibc
 
 
-def _drop_samples(dataset: Any, batch_size: int, seed: int, done: Any) -> None:
+def _drop_samples(dataset: Any, batch_size: int, seed: int, done: Any, note_s: float) -> None:
     if len(dataset) < batch_size:
         return  # not one whole batch to load: the caller's wait names the exit code
     _keep_freed_memory()
     rng = np.random.default_rng(seed)
+    loaded, noted = 0, time.monotonic()
     while True:
         order = rng.permutation(len(dataset)).tolist()
         for start in range(0, len(order) - batch_size + 1, batch_size):
             for k in order[start:start + batch_size]:
                 dataset[k]
-            done.put(None)
+            loaded += 1
+            now = time.monotonic()
+            if now - noted >= note_s:
+                done.put(loaded)
+                loaded, noted = 0, now
 
 
 class ComputeCeiling:
     """The most that any loader with `num_workers` processes can deliver on this machine:
     each process loads the samples of its batches (`dataset[k]`, shuffled keys) and drops
-    them; only a note per batch comes back, with no batching, no copy and no transfer. The
-    processes keep freed memory as gloader's workers do, so what they measure is the
-    dataset's own cost. `iter()` gives one None per batch loaded."""
+    them, with no batching, no copy and no transfer; it only says how many batches it has
+    loaded, every _CEILING_NOTE_S. The processes keep freed memory as gloader's workers do,
+    so what they measure is the dataset's own cost. `iter()` gives one None per batch loaded."""
 
     def __init__(self, dataset: Any, batch_size: int, num_workers: int) -> None:
         context = multiprocessing.get_context()
-        self._done = context.Queue(maxsize=2 * num_workers)  # as deep as gloader's window
-        self._workers = [context.Process(target=_drop_samples, args=(dataset, batch_size, seed, self._done),
-                                         daemon=True) for seed in range(num_workers)]
+        self._done = context.Queue()
+        self._workers = [context.Process(target=_drop_samples, daemon=True,
+                                         args=(dataset, batch_size, seed, self._done, _CEILING_NOTE_S))
+                         for seed in range(num_workers)]
         for worker in self._workers:
             worker.start()
 
     def __iter__(self) -> Iterator[None]:
         while True:
             try:
-                yield self._done.get(timeout=_CEILING_WAIT_S)
+                loaded = self._done.get(timeout=_CEILING_WAIT_S)
             except queue.Empty:
                 raise RuntimeError(f"the ceiling's workers loaded no batch in {_CEILING_WAIT_S:.0f} s (exit codes "
                                    f"{[w.exitcode for w in self._workers]})") from None
+            for _ in range(loaded):
+                yield None
 
     def close(self) -> None:
         for worker in self._workers:
