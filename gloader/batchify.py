@@ -114,7 +114,10 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     # (n * d0, ...) writes the same bytes with ~3x less overhead than np.stack(out=). numpy
     # checks every array's other dimensions against that target; equal lengths (~3x cheaper
     # to check than the shapes themselves) complete the check.
-    concatenates = bool(first_shape) and first_shape[0] > 0 and set(map(len, arrays)) == {first_shape[0]}
+    try:
+        concatenates = bool(first_shape) and first_shape[0] > 0 and set(map(len, arrays)) == {first_shape[0]}
+    except TypeError:  # a 0-d array after the first: len() has nothing to measure; the shapes say what differs
+        concatenates = False
     if not concatenates:
         shapes = set(map(_SHAPE, arrays))
         if len(shapes) != 1:

@@ -60,8 +60,9 @@ def test_a_sequence_sample_that_fails_to_iterate_keeps_its_own_error() -> None:
         default_batchify_fn([Broken(), Broken()])
 
 
-@pytest.mark.parametrize("second", [np.zeros(3), np.zeros((2, 4)), np.zeros(2), np.zeros((2, 3, 1)), np.zeros((3, 3))],
-                         ids=["length", "inner", "fewer-dims", "more-dims", "length-2d"])
+@pytest.mark.parametrize("second", [np.zeros(3), np.zeros((2, 4)), np.zeros(2), np.zeros((2, 3, 1)), np.zeros((3, 3)),
+                                    np.zeros(())],
+                         ids=["length", "inner", "fewer-dims", "more-dims", "length-2d", "no-dims"])
 def test_default_rejects_different_shapes_and_suggests_pad(second: np.ndarray) -> None:
     first = np.zeros(2) if second.shape == (3,) else np.zeros((2, 3))
     with pytest.raises(ValueError, match="different shapes.*Pad"):
