@@ -144,6 +144,15 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     return Leaf((len(arrays),) + arrays[0].shape, found, fill_arrays)
 
 
+def _numeric_tensor(sample: Any, name: str) -> torch.Tensor:
+    """`sample` as a tensor sharing its memory; a TypeError naming it when it is not numeric."""
+    array = np.asarray(sample)
+    if array.dtype.hasobject or as_torch_dtype(array.dtype) is None:
+        raise TypeError(f"{name} needs numeric arrays, tensors or numbers, got {sample!r:.80} (numpy dtype "
+                        f"{array.dtype}); give this field a batchify function such as gloader.batchify.List()")
+    return torch.from_numpy(array)
+
+
 def _plan_array_field(samples: Sequence[Any]) -> Any:
     first = samples[0]
     if isinstance(first, np.ndarray) and first.dtype.kind in "US":
@@ -286,8 +295,7 @@ class Pad(_Batchify):
         return round_up(size, self._round_to) if self._round_to else size
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
-        tensors = [torch.as_tensor(s) if isinstance(s, torch.Tensor) else torch.from_numpy(np.asarray(s))
-                   for s in samples]
+        tensors = [s if isinstance(s, torch.Tensor) else _numeric_tensor(s, "Pad") for s in samples]
         if self._every_axis:
             return self._plan_every_axis(tensors)
         ndim = tensors[0].dim()

@@ -75,6 +75,12 @@ def test_pad_pads_to_longest_with_lengths_and_round_to() -> None:
     assert lengths.tolist() == [2, 3] and lengths.dtype == torch.int64
 
 
+@pytest.mark.parametrize("samples", [["ab", "c"], [np.array([None]), np.array([1])]], ids=["strings", "objects"])
+def test_pad_names_a_sample_that_is_not_numeric(samples: list[Any]) -> None:
+    with pytest.raises(TypeError, match=r"Pad needs numeric arrays.*List\(\)"):
+        Pad()(samples)
+
+
 def test_pad_along_inner_axis_and_dtype() -> None:
     out = Pad(axis=1, dtype="float32")([np.ones((2, 1)), np.ones((2, 3))])
     assert out.shape == (2, 2, 3) and out.dtype == torch.float32
