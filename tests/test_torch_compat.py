@@ -49,14 +49,16 @@ def test_torch_keyword_names_work_and_a_clash_with_the_gluon_name_names_both() -
                     in_order=False) as loader:
         assert list(loader) == [0, 2] and loader.multiprocessing_context == "spawn"
     for kwargs, match in (({"collate_fn": first_only, "batchify_fn": first_only}, "batchify_fn=.* and collate_fn="),
-                          ({"drop_last": True, "last_batch": "keep"}, "last_batch='keep' and drop_last='discard'"),
+                          ({"drop_last": True, "last_batch": "keep"}, "last_batch='keep' and drop_last=True"),
                           ({"num_workers": 1, "prefetch": 2, "prefetch_factor": 2}, "prefetch=2 and prefetch_factor=2"),
                           ({"num_workers": 1, "start_method": "fork", "multiprocessing_context": "spawn"},
                            "start_method='fork' and multiprocessing_context='spawn'"),
                           ({"seed": 1, "generator": torch.Generator()}, "seed=1 and generator= both"),
                           ({"start_method": "spawn"}, "needs worker processes, but num_workers=0"),
                           ({"prefetch_factor": 2}, "prefetch_factor=2 needs worker processes"),
-                          ({"persistent_workers": True}, "persistent_workers=True needs worker processes")):
+                          ({"persistent_workers": True}, "persistent_workers=True needs worker processes"),
+                          ({"num_workers": 1, "multiprocessing_context": "threads"},
+                           "multiprocessing_context must be one of .* got 'threads'")):
         with pytest.raises(ValueError, match=match):
             DataLoader(list(range(5)), **kwargs)
 
