@@ -9,6 +9,7 @@ Runs in the caller's process; the flow is drawn in `_engine`.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import numpy as np
@@ -168,8 +169,11 @@ class Schedule:
         """Continue from `state`: the next epoch opened is the saved one, minus its served batches.
 
         Raises:
+            TypeError: when `state` is not a mapping.
             ValueError: when `state` lacks a key that `state_dict` writes or holds an impossible value.
         """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a dict made by DataLoader.state_dict(), got {state!r:.80}")
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
             raise ValueError(f"state is missing {missing}; pass a dict made by DataLoader.state_dict()")

@@ -19,7 +19,9 @@ __all__ = ["BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampl
 
 def _check_length(length: Any) -> int:
     if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
-        raise TypeError(f"length must be a non-negative integer, got {length!r}")
+        hint = "; gloader's samplers take the dataset's length (Gluon's API): pass len(dataset)" if hasattr(
+            length, "__len__") else ""
+        raise TypeError(f"length must be a non-negative integer, got {length!r:.80}{hint}")
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
     return int(length)
@@ -179,6 +181,9 @@ class BatchSampler(Sampler):
     """
 
     def __init__(self, sampler: Any, batch_size: int, last_batch: str | None = "keep") -> None:
+        if not hasattr(sampler, "__iter__"):
+            raise TypeError(f"sampler must be an iterable of sample keys (a Sampler, a list of indices), got "
+                            f"{sampler!r:.80}")
         self._sampler = sampler
         self._batch_size = check_positive_int("batch_size", batch_size)
         self._last_batch = check_last_batch(last_batch)

@@ -90,3 +90,9 @@ def test_incomplete_state_is_rejected_naming_the_missing_keys() -> None:
     with DataLoader([1, 2], batch_size=1) as loader:
         with pytest.raises(ValueError, match=r"state is missing \['sampler', 'seed'\]"):
             loader.load_state_dict({"epoch": 0, "batches_yielded": 0})
+
+
+def test_a_state_that_is_not_a_dict_is_rejected_naming_it() -> None:
+    with DataLoader([1, 2], batch_size=1) as loader:
+        with pytest.raises(TypeError, match=r"state must be a dict made by DataLoader.state_dict\(\), got 3"):
+            loader.load_state_dict(3)  # type: ignore[arg-type]

@@ -120,6 +120,8 @@ def test_distributed_shuffle_changes_with_epoch_and_matches_across_ranks() -> No
     (lambda: DistributedSampler(10, 2, 2), r"rank must be in \[0, 2\), got 2"),
     (lambda: DistributedSampler(10, 2, 0, last_batch="rollover"), "last_batch must be one of"),
     (lambda: DistributedSampler(10), "torch.distributed is not initialized"),
+    (lambda: DistributedSampler(list(range(10)), 2, 0), r"length must be a non-negative integer.*pass len\(dataset\)"),
+    (lambda: BatchSampler(3, 2), "sampler must be an iterable of sample keys.*got 3"),
 ])
 def test_bad_sampler_arguments_name_the_value(make, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
