@@ -79,6 +79,10 @@ _IDLE_TICKS = 2
 _SETTLE_DEADLINE_S = 30.0
 
 
+# W8's ImageFolder: JPEGs written for a full run, and at least this many for --quick (~2 ms each).
+_JPEGS = 2000
+_QUICK_JPEGS = 256
+
 # Peers measured beside gloader (nw=2) and torch (nw=2, persistent workers), per workload.
 _PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "ceiling"),
           "W2": ("in-process", "gloader nw=1", "tensorpack"),
@@ -260,8 +264,9 @@ def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str
     def jpegs() -> Any:
         root = tempfile.mkdtemp(prefix="gloader-bench-jpegs-")
         cleanup.callback(shutil.rmtree, root, ignore_errors=True)
-        sys.stderr.write("W8: writing 2,000 JPEGs ...\n")
-        write_jpeg_folder(root, 2000)
+        count = max(_QUICK_JPEGS, int(_JPEGS * scale))  # --quick: a few batches, no need for 2,000 files
+        sys.stderr.write(f"W8: writing {count:,} JPEGs ...\n")
+        write_jpeg_folder(root, count)
         return JpegFolder(root)
 
     workloads = [
