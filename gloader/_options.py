@@ -270,6 +270,8 @@ def _take_pool_settings(pool: Any, num_workers: Any, thread_pool: Any,
                         start_method: Any) -> tuple[int, bool, str | None]:
     if not isinstance(pool, WorkerPool):
         raise TypeError(f"pool must be a gloader.WorkerPool or None, got {type(pool).__name__}")
+    if pool.closed:
+        raise ValueError("pool= is a closed WorkerPool; create a new one (or close it after its loaders)")
     if num_workers not in (0, pool.num_workers):
         raise ValueError(f"num_workers={num_workers} conflicts with pool= ({pool.num_workers} workers); "
                          "leave num_workers out when passing a pool")

@@ -77,6 +77,8 @@ class Dataset(Generic[_T_co]):
 
     def sample(self, sampler: Iterable[int]) -> Dataset[Any]:
         """Return the samples at the indices that `sampler` yields, in that order."""
+        if not hasattr(sampler, "__iter__"):
+            raise TypeError(f"sampler must be an iterable of indices (a Sampler, a list), got {sampler!r:.80}")
         return _SampledDataset(self, list(sampler))
 
 

@@ -39,6 +39,7 @@ def test_filter_shard_take_sample() -> None:
     (lambda ds: ds.shard(2, 2), r"index must be an integer in \[0, 2\), got 2"),
     (lambda ds: ds.take(-1), "count must be an integer >= 0 or None, got -1"),
     (lambda ds: ds.transform(3), "fn must be callable, got 3"),
+    (lambda ds: ds.sample(3), "sampler must be an iterable of indices.*got 3"),
 ])
 def test_bad_dataset_arguments_name_the_value(call, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):

@@ -116,6 +116,8 @@ def test_loader_on_closed_pool_fails_clearly() -> None:
     with pytest.raises(RuntimeError, match="WorkerPool is closed"):
         next(iter(loader))
     loader.close()
+    with pytest.raises(ValueError, match="pool= is a closed WorkerPool; create a new one"):
+        DataLoader([1, 2], batch_size=1, pool=pool)
 
 
 def test_three_notebook_loaders_deleted_in_any_order_never_affect_each_other() -> None:
