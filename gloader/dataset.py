@@ -23,10 +23,10 @@ class Dataset(Generic[_T_co]):
     """
 
     def __getitem__(self, idx: int) -> _T_co:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement __getitem__ (a subclass of gloader.Dataset)")
 
     def __len__(self) -> int:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement __len__ (a subclass of gloader.Dataset)")
 
     def transform(self, fn: Callable[..., Any], lazy: bool = True) -> Dataset[Any]:
         """Return a dataset whose samples are `fn(sample)` (`fn(*sample)` for tuple samples).
@@ -137,7 +137,8 @@ class IterableDataset(Generic[_T_co]):
     """
 
     def __iter__(self) -> Iterator[_T_co]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement __iter__ (a subclass of "
+                                  "gloader.IterableDataset)")
 
 
 class _TransformFirst:

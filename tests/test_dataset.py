@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gloader import ArrayDataset, Dataset, SimpleDataset
+from gloader import ArrayDataset, Dataset, IterableDataset, SimpleDataset
 
 
 def test_transform_applies_to_whole_sample_and_unpacks_tuples() -> None:
@@ -49,3 +49,18 @@ def test_bad_dataset_arguments_name_the_value(call, match: str) -> None:
 def test_base_dataset_is_abstract() -> None:
     with pytest.raises(NotImplementedError):
         len(Dataset())
+
+
+def test_a_subclass_missing_a_method_is_named_with_the_method() -> None:
+    class Images(Dataset):
+        pass
+
+    class Lines(IterableDataset):
+        pass
+
+    with pytest.raises(NotImplementedError, match="Images must implement __len__"):
+        len(Images())
+    with pytest.raises(NotImplementedError, match="Images must implement __getitem__"):
+        Images()[0]
+    with pytest.raises(NotImplementedError, match="Lines must implement __iter__"):
+        iter(Lines())
