@@ -29,7 +29,7 @@ def as_torch_dtype(dtype: Any) -> torch.dtype | None:
     if found is None:
         try:
             found = torch.from_numpy(np.empty(0, dtype=np_dtype)).dtype
-        except TypeError:
+        except (TypeError, ValueError):  # no such tensor type, or not in this machine's byte order
             return None
         _NUMPY_TO_TORCH[np_dtype] = found
     return found

@@ -73,6 +73,10 @@ def _plan_scalars(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
             out.numpy()[:] = values  # ~5x faster than torch.tensor(values) for 256 ints
         except TypeError:  # a dtype numpy lacks (bfloat16)
             out.copy_(torch.tensor(values, dtype=out_dtype))
+        except OverflowError:
+            shown = [v for v in values if isinstance(v, int) and not -2**63 <= v < 2**63][:3] or list(values)[:8]
+            raise OverflowError(f"cannot batch {shown!r} as {out_dtype}: out of its range; convert them in the "
+                                "dataset (to float, or to strings with a batchify_fn that keeps them)") from None
 
     return Leaf((len(values),), out_dtype, fill)
 
@@ -125,7 +129,7 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     found = dtype or as_torch_dtype(arrays[0].dtype)
     if found is None:
         raise TypeError(f"cannot stack samples of numpy dtype {arrays[0].dtype} into a tensor; "
-                        "use gloader.batchify.List() for non-numeric fields")
+                        f"{_dtype_hint(arrays[0].dtype)}use gloader.batchify.List() for non-numeric fields")
     cast: Literal["unsafe", "same_kind"] = "unsafe" if dtype is not None else "same_kind"
 
     def fill_arrays(out: torch.Tensor) -> None:
@@ -144,6 +148,13 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     return Leaf((len(arrays),) + arrays[0].shape, found, fill_arrays)
 
 
+def _dtype_hint(dtype: np.dtype[Any]) -> str:
+    """What to do about a numeric dtype that torch refuses only for its byte order."""
+    if dtype.isnative or dtype.kind not in "biufc":
+        return ""
+    return "its byte order is not this machine's: array.astype(array.dtype.newbyteorder('=')) fixes that; "
+
+
 def _numeric_tensor(sample: Any, name: str) -> torch.Tensor:
     """`sample` as a tensor sharing its memory; a TypeError naming it when it is not numeric."""
     array = np.asarray(sample)
@@ -159,8 +170,8 @@ def _plan_array_field(samples: Sequence[Any]) -> Any:
         return Opaque(list(samples))  # string arrays: torch has no string tensors
     if isinstance(first, np.ndarray) and (first.dtype.hasobject or as_torch_dtype(first.dtype) is None):
         raise TypeError(f"the default batchify cannot batch numpy arrays of dtype {first.dtype} (as torch's "
-                        "default_collate cannot); convert them in the dataset, or give a batchify_fn such "
-                        "as gloader.batchify.List()")
+                        f"default_collate cannot); {_dtype_hint(first.dtype)}convert them in the dataset, or give a "
+                        "batchify_fn such as gloader.batchify.List()")
     if isinstance(first, torch.Tensor) and first.is_nested:
         return Opaque(list(samples))  # nested tensors do not stack; they travel as they are
     return _plan_stack(samples, None)
@@ -248,7 +259,9 @@ class Stack(_Batchify):
         self._dtype = _check_dtype(dtype)
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
-        if samples and isinstance(samples[0], (bool, int, float, complex)):
+        if not samples:
+            raise ValueError("Stack needs at least one sample, got an empty batch")
+        if isinstance(samples[0], (bool, int, float, complex)):
             return _plan_scalars(samples, self._dtype)
         return _plan_stack(samples, self._dtype)
 
@@ -285,6 +298,9 @@ class Pad(_Batchify):
         if self._every_axis and ret_length:
             raise ValueError("ret_length=True belongs to GluonNLP's Pad(axis=...); MXNet 2.0's Pad(val=...) pads "
                              "every axis and returns no lengths")
+        if self._every_axis and (axis != 0 or not (isinstance(pad_val, numbers.Number) and pad_val == 0)):
+            raise ValueError(f"axis={axis!r} and pad_val={pad_val!r} belong to GluonNLP's Pad(axis=..., pad_val=...); "
+                             "MXNet 2.0's Pad(val=...) pads every axis with val: pass one form")
         self._axis = axis
         self._pad_val = (0 if val is None else val) if self._every_axis else pad_val
         self._ret_length = bool(ret_length)
@@ -295,6 +311,8 @@ class Pad(_Batchify):
         return round_up(size, self._round_to) if self._round_to else size
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
+        if not samples:
+            raise ValueError("Pad needs at least one sample, got an empty batch")
         tensors = [s if isinstance(s, torch.Tensor) else _numeric_tensor(s, "Pad") for s in samples]
         if self._every_axis:
             return self._plan_every_axis(tensors)
@@ -415,8 +433,8 @@ class Append(_Batchify):
     def _gloader_plan(self, samples: list[Any]) -> Any:
         out = []
         for sample in samples:
-            tensor = torch.as_tensor(sample) if isinstance(sample, torch.Tensor) else torch.from_numpy(
-                np.ascontiguousarray(sample))
+            tensor = sample if isinstance(sample, torch.Tensor) else _numeric_tensor(np.ascontiguousarray(sample),
+                                                                                      "Append")
             out.append(plan_from_value(tensor.unsqueeze(self._batch_axis) if self._expand else tensor))
         return out
 

@@ -81,6 +81,22 @@ def test_pad_names_a_sample_that_is_not_numeric(samples: list[Any]) -> None:
         Pad()(samples)
 
 
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: Stack()([]), ValueError, "Stack needs at least one sample"),
+    (lambda: Pad()([]), ValueError, "Pad needs at least one sample"),
+    (lambda: Append()([np.zeros(2), "a"]), TypeError, r"Append needs numeric arrays.*'a'.*List\(\)"),
+    (lambda: Pad(val=0, axis=1), ValueError, "axis=1 and pad_val=0 belong to GluonNLP's Pad.*pass one form"),
+    (lambda: Pad(val=1, pad_val=2), ValueError, "pad_val=2 belong to GluonNLP's Pad"),
+    (lambda: default_batchify_fn([2**70, 1]), OverflowError, r"cannot batch \[1180591620717411303424\] as torch.int64"),
+    (lambda: default_batchify_fn([np.zeros(2, ">f4")] * 2), TypeError, r"dtype >f4.*byte order.*newbyteorder"),
+    (lambda: Stack()([np.zeros(2, ">f4")] * 2), TypeError, r"dtype >f4.*byte order.*newbyteorder"),
+], ids=["stack-empty", "pad-empty", "append-string", "pad-val-with-axis", "pad-val-with-pad-val", "int-overflow",
+        "byte-order", "stack-byte-order"])
+def test_bad_batches_and_arguments_get_errors_that_name_them(call: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        call()
+
+
 def test_pad_along_inner_axis_and_dtype() -> None:
     out = Pad(axis=1, dtype="float32")([np.ones((2, 1)), np.ones((2, 3))])
     assert out.shape == (2, 2, 3) and out.dtype == torch.float32
