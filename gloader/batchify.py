@@ -269,6 +269,14 @@ class Stack(_Batchify):
 _UNSET: Any = object()
 
 
+def _is_zero(value: Any) -> bool:
+    """Whether `value` is a number equal to 0 (Pad's default pad_val)."""
+    try:
+        return isinstance(value, (numbers.Number, np.generic)) and bool(value == 0)
+    except (TypeError, ValueError):
+        return False
+
+
 class Pad(_Batchify):
     """Pad arrays to the longest, then stack them.
 
@@ -298,7 +306,7 @@ class Pad(_Batchify):
         if self._every_axis and ret_length:
             raise ValueError("ret_length=True belongs to GluonNLP's Pad(axis=...); MXNet 2.0's Pad(val=...) pads "
                              "every axis and returns no lengths")
-        if self._every_axis and (axis != 0 or not (isinstance(pad_val, numbers.Number) and pad_val == 0)):
+        if self._every_axis and (axis != 0 or not _is_zero(pad_val)):
             raise ValueError(f"axis={axis!r} and pad_val={pad_val!r} belong to GluonNLP's Pad(axis=..., pad_val=...); "
                              "MXNet 2.0's Pad(val=...) pads every axis with val: pass one form")
         self._axis = axis
