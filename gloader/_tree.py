@@ -143,6 +143,8 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
 def _array_to_tensor(leaf: Any) -> Any:
     if not isinstance(leaf, np.ndarray) or leaf.dtype.hasobject or as_torch_dtype(leaf.dtype) is None:
         return leaf
+    if any(stride < 0 for stride in leaf.strides):  # a reversed view (x[::-1]): torch cannot view it
+        return torch.from_numpy(np.ascontiguousarray(leaf))
     return torch.from_numpy(leaf) if leaf.flags.writeable else torch.tensor(leaf)
 
 

@@ -462,3 +462,14 @@ def test_an_error_inside_a_grouped_task_is_raised_at_its_own_batch() -> None:
         # every batch before the bad one arrived, in order, and the loader goes on after it
         assert [int(b[0, 0]) for b in got] == list(range(0, 328, 4))
         assert [int(b[0, 0]) for b in it] == list(range(332, 400, 4))
+
+
+def _reversed_batch(samples: list[Any]) -> np.ndarray:
+    return np.asarray(samples, dtype=np.float64)[::-1]  # a view with a negative stride
+
+
+@pytest.mark.parametrize("workers", [{}, {"num_workers": 1, "thread_pool": True}, {"num_workers": 1}],
+                         ids=["in-process", "threads", "processes"])
+def test_a_batchify_fn_that_returns_a_reversed_view_gives_the_same_batches_everywhere(workers: dict[str, Any]) -> None:
+    with DataLoader(list(range(6)), batch_size=3, batchify_fn=_reversed_batch, **workers) as loader:
+        assert [batch.tolist() for batch in loader] == [[2.0, 1.0, 0.0], [5.0, 4.0, 3.0]]
