@@ -161,6 +161,8 @@ def _numeric_tensor(sample: Any, name: str) -> torch.Tensor:
     if array.dtype.hasobject or as_torch_dtype(array.dtype) is None:
         raise TypeError(f"{name} needs numeric arrays, tensors or numbers, got {sample!r:.80} (numpy dtype "
                         f"{array.dtype}); give this field a batchify function such as gloader.batchify.List()")
+    if any(stride < 0 for stride in array.strides):  # a reversed view (x[::-1]): torch cannot view it
+        array = np.ascontiguousarray(array)
     return torch.from_numpy(array)
 
 

@@ -97,6 +97,12 @@ def test_bad_batches_and_arguments_get_errors_that_name_them(call: Any, error: t
         call()
 
 
+@pytest.mark.parametrize("pad", [Pad(pad_val=-1), Pad(val=-1)], ids=["gluonnlp", "mxnet2"])
+def test_pad_takes_reversed_views_as_their_copies(pad: Pad) -> None:
+    reversed_view = np.arange(4.0)[::-1]  # negative strides, as x[::-1] augmentations make
+    assert pad([reversed_view, np.ones(2)]).tolist() == pad([reversed_view.copy(), np.ones(2)]).tolist()
+
+
 def test_pad_along_inner_axis_and_dtype() -> None:
     out = Pad(axis=1, dtype="float32")([np.ones((2, 1)), np.ones((2, 3))])
     assert out.shape == (2, 2, 3) and out.dtype == torch.float32
