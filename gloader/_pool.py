@@ -332,6 +332,10 @@ class PoolCore:
         stopper.join(_POOL_THREADS_S)
         if stopper.is_alive():
             logger.warning("the pool's bookkeeping threads did not stop within %.1f s", _POOL_THREADS_S)
+            return
+        # The pipe that woke the maintenance thread, which has stopped: closed now, not when the
+        # pool object is collected, which an exception's traceback (kept by a notebook) can delay.
+        self.pool._change_notifier.close()
 
 
 def _join_all(processes: list[Any], timeout_s: float) -> bool:

@@ -119,6 +119,22 @@ def test_batchify_error_keeps_type_and_loader_goes_on(thread_pool: bool) -> None
             next(iter(loader))
 
 
+@pytest.mark.parametrize("thread_pool", [False, True])
+def test_a_closed_loader_holds_no_descriptor_while_its_error_is_kept(thread_pool: bool) -> None:
+    # A notebook keeps the last exception, and with it the frames that reference the pool.
+    before = set(os.listdir("/proc/self/fd"))
+    kept = None
+    with DataLoader(np.arange(8), batch_size=4, num_workers=1, thread_pool=thread_pool,
+                    batchify_fn=_data.failing_batchify) as loader:
+        try:
+            next(iter(loader))
+        except ValueError as exc:
+            kept = exc
+    assert kept is not None
+    assert wait_until(lambda: set(os.listdir("/proc/self/fd")) <= before, 5.0), \
+        sorted(set(os.listdir("/proc/self/fd")) - before)
+
+
 def test_batch_that_cannot_be_pickled_back_is_a_clear_error() -> None:
     with DataLoader(np.arange(8), batch_size=4, num_workers=1, batchify_fn=_data.generator_batchify) as loader:
         with pytest.raises(TypeError) as info:
