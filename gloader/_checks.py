@@ -47,8 +47,8 @@ def check_non_negative_int(name: str, value: Any) -> int:
     return _check_int_from(name, value, 0, "an integer >= 0")
 
 
-def check_start_method(start_method: Any) -> str | None:
-    """Return `start_method` when it is one of START_METHODS or None; ValueError otherwise."""
+def check_start_method(start_method: Any, name: str = "start_method") -> str | None:
+    """Return `start_method` when it is one of START_METHODS or None; ValueError naming `name` otherwise."""
     if start_method is not None and start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS} or None, got {start_method!r}")
+        raise ValueError(f"{name} must be one of {START_METHODS} or None, got {start_method!r}")
     return start_method  # type: ignore[no-any-return]

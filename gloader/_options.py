@@ -15,14 +15,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ._checks import (
-    START_METHODS,
-    check_last_batch,
-    check_non_negative_int,
-    check_positive_int,
-    check_start_method,
-    is_int,
-)
+from ._checks import check_last_batch, check_non_negative_int, check_positive_int, check_start_method, is_int
 from ._math import ceil_div
 from ._pool import WorkerPool
 from ._protocol import StreamRequest
@@ -153,13 +146,8 @@ def _merge_drop_last(last_batch: Any, drop_last: Any) -> Any:
 
 def _context_name(context: Any) -> str | None:
     """torch's multiprocessing_context: a start method's name or a context object."""
-    if context is None:
-        return None
-    if isinstance(context, str):
-        if context not in START_METHODS:
-            raise ValueError(f"multiprocessing_context must be one of {START_METHODS}, a multiprocessing context "
-                             f"or None, got {context!r}")
-        return context
+    if context is None or isinstance(context, str):
+        return check_start_method(context, "multiprocessing_context")
     get = getattr(context, "get_start_method", None)
     if get is None:
         raise TypeError(f"multiprocessing_context must be a start method's name or a multiprocessing context, "

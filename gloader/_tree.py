@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 __all__ = ["Leaf", "Opaque", "arrays_to_tensors", "as_torch_dtype", "iter_leaves", "map_structure", "map_tensors",
-           "materialize", "plan_from_value"]
+           "materialize", "numeric_tensor", "plan_from_value"]
 
 _NUMPY_TO_TORCH: dict[np.dtype[Any], torch.dtype] = {}
 
@@ -140,12 +140,20 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
     return map_structure(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
 
 
+def numeric_tensor(array: np.ndarray) -> torch.Tensor:
+    """A numeric array (one `as_torch_dtype` maps) as a tensor, sharing its memory where torch
+    can: a read-only array is copied, and so is a reversed view (x[::-1]), whose negative
+    strides torch refuses (found by that refusal: nothing is checked per array otherwise)."""
+    try:
+        return torch.from_numpy(array) if array.flags.writeable else torch.tensor(array)
+    except ValueError:
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+
 def _array_to_tensor(leaf: Any) -> Any:
     if not isinstance(leaf, np.ndarray) or leaf.dtype.hasobject or as_torch_dtype(leaf.dtype) is None:
         return leaf
-    if any(stride < 0 for stride in leaf.strides):  # a reversed view (x[::-1]): torch cannot view it
-        return torch.from_numpy(np.ascontiguousarray(leaf))
-    return torch.from_numpy(leaf) if leaf.flags.writeable else torch.tensor(leaf)
+    return numeric_tensor(leaf)
 
 
 def arrays_to_tensors(batch: Any) -> Any:

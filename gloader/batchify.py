@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ._math import round_up
-from ._tree import Leaf, Opaque, as_torch_dtype, map_structure, materialize, plan_from_value
+from ._tree import Leaf, Opaque, as_torch_dtype, map_structure, materialize, numeric_tensor, plan_from_value
 
 __all__ = ["Append", "AsList", "Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn",
            "plan_batch"]
@@ -161,9 +161,7 @@ def _numeric_tensor(sample: Any, name: str) -> torch.Tensor:
     if array.dtype.hasobject or as_torch_dtype(array.dtype) is None:
         raise TypeError(f"{name} needs numeric arrays, tensors or numbers, got {sample!r:.80} (numpy dtype "
                         f"{array.dtype}); give this field a batchify function such as gloader.batchify.List()")
-    if any(stride < 0 for stride in array.strides):  # a reversed view (x[::-1]): torch cannot view it
-        array = np.ascontiguousarray(array)
-    return torch.from_numpy(array)
+    return numeric_tensor(array)
 
 
 def _plan_array_field(samples: Sequence[Any]) -> Any:
