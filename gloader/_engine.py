@@ -516,12 +516,15 @@ class Engine:
     close = stop_workers
 
     def close_from_gc(self) -> None:
-        """The loader's finalizer: close, and say so when workers were still running."""
-        if isinstance(self._backend, _OnPool):
+        """The loader's finalizer: close, and say so when workers were still running. Where
+        warnings are errors (`python -W error`, pytest's `filterwarnings = error`) the warning
+        is raised, so it is given only after the workers have stopped."""
+        running = isinstance(self._backend, _OnPool)
+        self.stop_workers()
+        if running:
             warnings.warn("a gloader DataLoader with running workers was garbage-collected without close(); "
                           "use `with DataLoader(...) as loader:` or call loader.close()", ResourceWarning,
                           stacklevel=2)
-        self.stop_workers()
 
 
 def _describe_keys(job: Job) -> str:

@@ -436,6 +436,6 @@ class WorkerPool:
 def _finalize_pool(core: PoolCore) -> None:
     import warnings
 
+    core.close()  # first: where warnings are errors, the warning below raises
     warnings.warn("a gloader WorkerPool was garbage-collected while running; call close() or use "
                   "`with WorkerPool(...)`", ResourceWarning, stacklevel=2)
-    core.close()

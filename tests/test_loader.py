@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,7 @@ import torch
 import gloader
 from gloader import ArrayDataset, DataLoader, SimpleDataset, _engine
 from tests import _data
+from tests.conftest import leaks, snapshot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -306,6 +309,28 @@ def test_garbage_collected_loader_shuts_down_with_a_resource_warning() -> None:
     with pytest.warns(ResourceWarning, match="garbage-collected without close"):
         del loader
         gc.collect()
+
+
+@pytest.mark.parametrize("what", ["loader", "pool"])
+def test_a_dropped_loader_or_pool_stops_its_workers_even_where_warnings_are_errors(what: str) -> None:
+    """Under `python -W error` (or pytest's filterwarnings = error) the ResourceWarning is an
+    exception raised inside the finalizer; the workers must stop all the same."""
+    before = snapshot()
+    raised: list[type] = []
+    hook, sys.unraisablehook = sys.unraisablehook, lambda info: raised.append(info.exc_type)
+    try:
+        dropped: Any = gloader.WorkerPool(2) if what == "pool" else DataLoader(np.arange(40), batch_size=4,
+                                                                               num_workers=2)
+        if what == "loader":
+            next(iter(dropped))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            del dropped
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert raised == [ResourceWarning]
+    assert not leaks(before)
 
 
 def test_unstarted_loader_is_collected_silently() -> None:
