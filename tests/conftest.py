@@ -131,6 +131,9 @@ def no_leaks(_warm_shared_heap: None) -> Iterator[None]:
     import gc
 
     gc.collect()
+    # What survived that collection is not this test's garbage: later collections skip it, so
+    # each test pays for the objects it made, not for everything torch and the earlier tests made.
+    gc.freeze()
     before = snapshot()
     yield
     gc.collect()

@@ -403,6 +403,7 @@ def test_notebook_style_main_code_reaches_spawned_workers(start_method: str) -> 
 def test_forked_workers_freeze_inherited_objects_out_of_their_collector() -> None:
     import gc
 
+    gc.unfreeze()  # the suite's leak guard froze what this test started with; the workers' freeze is wanted
     with DataLoader(_data.FreezeCount(), batch_size=2, num_workers=1, start_method="fork") as loader:
         counts = torch.cat(list(loader)).flatten().tolist()
     assert all(count > 1000 for count in counts)  # the caller's objects, inherited by fork
