@@ -88,6 +88,11 @@ class PoolCore:
                  registrations: list[tuple[int, Payload]]) -> None:
         import multiprocess
 
+        if not is_thread and multiprocess.current_process().daemon:
+            # multiprocess would fail later with "daemonic processes are not allowed to have children"
+            raise RuntimeError(f"cannot start {num_workers} worker processes from a daemonic process (pid "
+                               f"{os.getpid()}), such as a gloader worker: it cannot have children of its own; "
+                               "give the inner DataLoader num_workers=0 or thread_pool=True")
         self.num_workers = num_workers
         self.is_thread = is_thread
         self.start_method = start_method

@@ -477,3 +477,18 @@ class CountsVoluntarySwitches(gloader.Dataset):
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
         spin(self.seconds)
         return np.int64(resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before)
+
+
+class NestedLoader(gloader.Dataset):
+    """Sample i is i plus the sum of np.arange(8), loaded by an inner DataLoader with
+    `inner` options (a dataset that reads through another loader)."""
+
+    def __init__(self, **inner: Any) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, idx: int) -> Any:
+        with gloader.DataLoader(np.arange(8), batch_size=4, **self.inner) as loader:
+            return idx + sum(int(batch.sum()) for batch in loader)

@@ -333,6 +333,16 @@ def test_a_dropped_loader_or_pool_stops_its_workers_even_where_warnings_are_erro
     assert not leaks(before)
 
 
+def test_a_loader_inside_a_worker_process_says_its_workers_cannot_be_processes() -> None:
+    with DataLoader(_data.NestedLoader(num_workers=2), batch_size=2, num_workers=1) as loader:
+        with pytest.raises(RuntimeError, match=r"cannot start 2 worker processes from a daemonic process \(pid "
+                                               r"\d+\), such as a gloader worker.*num_workers=0 or thread_pool=True"):
+            next(iter(loader))
+    for inner in ({"num_workers": 2, "thread_pool": True}, {"num_workers": 0}):  # what the message offers works
+        with DataLoader(_data.NestedLoader(**inner), batch_size=2, num_workers=1) as loader:
+            assert [batch.tolist() for batch in loader] == [[28, 29], [30, 31]]
+
+
 def test_unstarted_loader_is_collected_silently() -> None:
     loader = DataLoader(np.arange(4), batch_size=2, num_workers=2)
     del loader
