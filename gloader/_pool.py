@@ -433,6 +433,10 @@ class WorkerPool:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("a gloader WorkerPool cannot be pickled or copied: it owns worker processes; share the "
+                        "WorkerPool object itself, or make a new one (in another process: inside it)")
+
     def __repr__(self) -> str:
         kind = "threads" if self.thread_pool else "processes"
         return f"WorkerPool({self.num_workers} {kind}, {'closed' if self.closed else 'running'})"

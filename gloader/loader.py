@@ -230,6 +230,13 @@ class DataLoader(Generic[_T_co]):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Without this, pickle failed on an internal lock and copy.copy() made a second loader
+        # that shared (and could close) this one's workers.
+        raise TypeError("a gloader DataLoader cannot be pickled or copied: it owns worker processes, threads and "
+                        "shared memory; make a new DataLoader with the same arguments where you need one (in "
+                        "another process: inside it)")
+
     def stats(self) -> dict[str, Any]:
         """Return where loading time goes, per epoch and overall.
 

@@ -1,7 +1,9 @@
 """The DataLoader contract: every mode yields what the in-process loader yields, resumably."""
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import random
 import sys
 import warnings
@@ -341,6 +343,17 @@ def test_a_loader_inside_a_worker_process_says_its_workers_cannot_be_processes()
     for inner in ({"num_workers": 2, "thread_pool": True}, {"num_workers": 0}):  # what the message offers works
         with DataLoader(_data.NestedLoader(**inner), batch_size=2, num_workers=1) as loader:
             assert [batch.tolist() for batch in loader] == [[28, 29], [30, 31]]
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy, pickle.dumps], ids=["copy", "deepcopy", "pickle"])
+def test_loaders_and_pools_refuse_to_be_copied_or_pickled_and_say_what_to_do(copier: Any) -> None:
+    with gloader.WorkerPool(1) as pool, DataLoader(np.arange(8), batch_size=2, num_workers=1) as loader:
+        assert next(iter(loader)).tolist() == [0, 1]
+        with pytest.raises(TypeError, match="DataLoader cannot be pickled or copied.*make a new DataLoader"):
+            copier(loader)
+        with pytest.raises(TypeError, match="WorkerPool cannot be pickled or copied.*share the WorkerPool"):
+            copier(pool)
+        assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the original goes on
 
 
 def test_unstarted_loader_is_collected_silently() -> None:
