@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import time
 import warnings
 from typing import Any, Callable, Iterator, NamedTuple
@@ -287,6 +288,7 @@ class Engine:
         self._batch_bytes = 0.0
         self._ramp_epoch: int | None = None  # the epoch whose tasks are being dispatched
         self._ramp = 1  # the most batches its next task may carry (see _TASK_TARGET_S)
+        self._forked_from: int | None = None  # the pid whose workers this process inherited by fork
 
     @property
     def in_flight(self) -> int:
@@ -299,6 +301,9 @@ class Engine:
         return self._config.num_workers or 1
 
     def _running(self) -> _InProcess | _OnPool:
+        if self._forked_from is not None:
+            raise RuntimeError(f"this DataLoader's workers belong to process {self._forked_from}, from which this "
+                               "process was forked; make a new DataLoader here")
         if self._backend is None:
             self._backend = _start(self._config, self._loader_id, self._make_payload)
         return self._backend
@@ -514,6 +519,19 @@ class Engine:
         self._discarded = []
 
     close = stop_workers
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the workers, the tasks in flight and the shared memory are the
+        parent's. Drop them without closing anything (see `PoolCore.forget_after_fork`); using
+        the loader here raises. In-process loading has nothing of the parent's and goes on."""
+        backend = self._backend
+        if not isinstance(backend, _OnPool):
+            return
+        self._backend, self._held, self._discarded = None, None, []
+        self._tasks.clear()
+        self._forked_from = os.getppid()
+        if backend.owns_core:
+            backend.core.forget_after_fork()
 
     def close_from_gc(self) -> None:
         """The loader's finalizer: close, and say so when workers were still running. Where

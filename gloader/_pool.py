@@ -270,6 +270,24 @@ class PoolCore:
             self._close_files()
         logger.debug("stopped %d %s workers", self.num_workers, "thread" if self.is_thread else "process")
 
+    def forget_after_fork(self) -> None:
+        """In a process forked (by `os.fork()`, not by the pool) from the one that made this
+        pool: its workers are the parent's. Mark it closed so that nothing here stops them,
+        neither `close()` nor, at this process's exit, the pool's own finalizer or multiprocess's
+        exit handler, which terminates every daemonic child it knows of (in the parent's table)."""
+        from multiprocess import process
+        from multiprocess.pool import CLOSE
+
+        self._closed = True
+        terminate = getattr(self.pool, "_terminate", None)
+        if terminate is not None:
+            terminate.cancel()
+        children = getattr(process, "_children", None)
+        if children is not None and not self.is_thread:
+            for worker in list(self.pool._pool):
+                children.discard(worker)
+        self.pool._state = CLOSE  # its __del__ neither warns nor wakes the parent's maintenance thread
+
     def _close_files(self) -> None:
         for lock in (self._id_lock, *self._permits):
             if lock is not None:
@@ -381,6 +399,22 @@ _register_exit = getattr(threading, "_register_atexit", atexit.register)
 _register_exit(_close_live_pools)
 
 
+def _forget_live_pools() -> None:
+    """In a forked child: the loaders and pools it inherits are the parent's (see
+    `PoolCore.forget_after_fork`). Runs in every child forked from here, the pools' own
+    workers included, where it only marks objects they never use."""
+    try:
+        for owner in list(_LIVE):
+            owner.forget_after_fork()
+        _LIVE.clear()
+    except Exception:  # never fail a fork
+        logger.debug("forgetting the parent's pools after a fork failed", exc_info=True)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_live_pools)
+
+
 class WorkerPool:
     """A pool of workers that several DataLoaders can share.
 
@@ -432,6 +466,14 @@ class WorkerPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the workers are the parent's (see `PoolCore.forget_after_fork`);
+        here the pool is closed, without a warning at exit."""
+        core, self._core = self._core, None
+        if core is not None:
+            self._finalizer.detach()
+            core.forget_after_fork()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("a gloader WorkerPool cannot be pickled or copied: it owns worker processes; share the "

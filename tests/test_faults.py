@@ -342,3 +342,38 @@ def test_soak_fifty_loaders_and_two_hundred_epochs_leave_counts_unchanged() -> N
         for _ in range(200):
             assert sum(len(b) for b in loader) == 32
     assert leaks(before) == {}
+
+
+def test_a_child_forked_from_the_caller_leaves_the_callers_workers_alone(tmp_path) -> None:
+    """A process made by os.fork() that ends normally runs its exit handlers and finalizers,
+    with the parent's loaders and pools in its copy of memory: they must not stop the
+    parent's workers, and the child must say so if it uses them."""
+    with _run_script(tmp_path, """
+        import gloader
+        pool = gloader.WorkerPool(2)
+        own = DataLoader(np.arange(64), batch_size=4, num_workers=2)
+        shared = DataLoader(np.arange(64), batch_size=4, pool=pool)
+        own_it, shared_it = iter(own), iter(shared)
+        first = [next(own_it).tolist(), next(shared_it).tolist()]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                next(own_it)
+            except RuntimeError as exc:
+                print("child:", exc, flush=True)
+            with DataLoader(np.arange(8), batch_size=4, num_workers=2) as mine:
+                print("child's own loader:", [b.tolist() for b in mine], flush=True)
+            sys.exit(0)  # a normal exit: exit handlers and finalizers run
+        _, status = os.waitpid(pid, 0)
+        rest = [[b.tolist() for b in own_it], [b.tolist() for b in shared_it]]
+        print("parent:", status, first, [len(r) for r in rest], rest[0][-1], rest[1][-1], flush=True)
+        own.close(); shared.close(); pool.close()
+        """) as proc:
+        out, err = proc.communicate(timeout=60)
+    lines = out.splitlines()
+    assert len(lines) == 3, (out, err)
+    assert re.fullmatch(r"child: this DataLoader's workers belong to process \d+, from which this process was "
+                        r"forked; make a new DataLoader here", lines[0])
+    assert lines[1] == "child's own loader: [[0, 1, 2, 3], [4, 5, 6, 7]]"
+    assert lines[2] == "parent: 0 [[0, 1, 2, 3], [0, 1, 2, 3]] [15, 15] [60, 61, 62, 63] [60, 61, 62, 63]"
+    assert proc.returncode == 0 and "Traceback" not in err and "Warning" not in err, err
