@@ -230,3 +230,26 @@ def test_random_module_unaffected_by_in_process_seeded_loading() -> None:
     random.seed(3)
     list(DataLoader(_data.RandomAugmented(4), batch_size=2, seed=1))
     assert random.random() == expected
+
+
+class _Growing:
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> int:
+        return idx
+
+
+def test_a_growing_dataset_is_followed_by_torchs_sampler_and_not_by_the_loaders_own() -> None:
+    """The README's difference: the loader's own sampler takes the length once (Gluon's rule);
+    torch's RandomSampler, given as sampler=, reads it every epoch (torch's rule)."""
+    dataset = _Growing(4)
+    own = DataLoader(dataset, batch_size=2, shuffle=True, seed=0)
+    torchs = DataLoader(dataset, batch_size=2, sampler=torch.utils.data.RandomSampler(dataset))
+    assert sorted(torch.cat(list(own)).tolist()) == sorted(torch.cat(list(torchs)).tolist()) == [0, 1, 2, 3]
+    dataset.length = 6
+    assert len(own) == 2 and sorted(torch.cat(list(own)).tolist()) == [0, 1, 2, 3]
+    assert len(torchs) == 3 and sorted(torch.cat(list(torchs)).tolist()) == [0, 1, 2, 3, 4, 5]
