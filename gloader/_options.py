@@ -8,6 +8,7 @@ caller's process; the flow is drawn in `_engine`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 import warnings
@@ -312,8 +313,10 @@ def _check_prefetch(prefetch: Any, workers: int) -> int:
 def _check_timeout(timeout: Any) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    if not float(timeout) > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if not 0 < float(timeout) < math.inf:
+        raise ValueError(f"timeout must be > 0 seconds and finite, got {timeout}: every wait for a batch has a "
+                         "deadline (torch's timeout=0 waits forever); pass the most seconds one batch may take "
+                         "(default 120)")
     return float(timeout)
 
 

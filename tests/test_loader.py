@@ -262,8 +262,11 @@ def test_structured_samples_batch_the_same_in_workers_and_inline() -> None:
     ({"batch_sampler": [[0, 1]], "shuffle": True}, ValueError, "batch_sampler excludes shuffle"),
     ({"batch_sampler": [[0, 1]], "sampler": [0]}, ValueError, "batch_sampler excludes sampler"),
     ({"batch_sampler": [[0, 1]], "last_batch": "keep"}, ValueError, "batch_sampler excludes last_batch"),
-    ({"batch_size": 2, "timeout": 0}, ValueError, "timeout must be > 0 seconds, got 0"),
-    ({"batch_size": 2, "timeout": -1}, ValueError, "timeout must be > 0 seconds, got -1"),
+    ({"batch_size": 2, "timeout": 0}, ValueError, r"timeout must be > 0 seconds and finite, got 0: every wait "
+                                                  r"for a batch has a deadline \(torch's timeout=0 waits forever\)"),
+    ({"batch_size": 2, "timeout": -1}, ValueError, "timeout must be > 0 seconds and finite, got -1"),
+    ({"batch_size": 2, "timeout": float("inf")}, ValueError, "timeout must be > 0 seconds and finite, got inf"),
+    ({"batch_size": 2, "timeout": float("nan")}, ValueError, "timeout must be > 0 seconds and finite, got nan"),
     ({"batch_size": 2, "start_method": "thread"}, ValueError, "start_method must be one of .* got 'thread'"),
     ({"batch_size": 2, "seed": "x"}, TypeError, "seed must be an integer or None, got 'x'"),
     ({"batch_size": 2, "worker_init_fn": 3}, TypeError, "worker_init_fn must be callable"),
