@@ -97,6 +97,30 @@ def test_bad_batches_and_arguments_get_errors_that_name_them(call: Any, error: t
         call()
 
 
+class _GradSamples:
+    """Sample i: row i of a weight that requires grad, times 2 (part of the weight's graph);
+    odd rows as float64 when `mixed` (the row-by-row copy instead of one stack)."""
+
+    def __init__(self, mixed: bool) -> None:
+        self.weight = torch.randn(8, 3, requires_grad=True)
+        self.mixed = mixed
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        row = self.weight[idx] * 2
+        return row.double() if self.mixed and idx % 2 else row
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-dtype", "mixed-dtypes"])
+def test_samples_that_require_grad_get_an_error_that_says_to_detach_them(workers: int, mixed: bool) -> None:
+    with DataLoader(_GradSamples(mixed), batch_size=4, num_workers=workers) as loader:
+        with pytest.raises(TypeError, match=r"samples \[0, 1, 2\] are tensors that require grad.*tensor\.detach\(\)"):
+            next(iter(loader))
+
+
 @pytest.mark.parametrize("pad", [Pad(pad_val=-1), Pad(val=-1)], ids=["gluonnlp", "mxnet2"])
 def test_pad_takes_reversed_views_as_their_copies(pad: Pad) -> None:
     reversed_view = np.arange(4.0)[::-1]  # negative strides, as x[::-1] augmentations make
