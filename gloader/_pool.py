@@ -279,14 +279,17 @@ class PoolCore:
         from multiprocess.pool import CLOSE
 
         self._closed = True
-        terminate = getattr(self.pool, "_terminate", None)
+        pool = getattr(self, "pool", None)  # None: forked while the pool was being made
+        if pool is None:
+            return
+        terminate = getattr(pool, "_terminate", None)
         if terminate is not None:
             terminate.cancel()
         children = getattr(process, "_children", None)
         if children is not None and not self.is_thread:
-            for worker in list(self.pool._pool):
+            for worker in list(pool._pool):
                 children.discard(worker)
-        self.pool._state = CLOSE  # its __del__ neither warns nor wakes the parent's maintenance thread
+        pool._state = CLOSE  # its __del__ neither warns nor wakes the parent's maintenance thread
 
     def _close_files(self) -> None:
         for lock in (self._id_lock, *self._permits):
