@@ -295,6 +295,16 @@ _ADMITTED = contextlib.nullcontext()  # the tasks of pools that fit their CPUs: 
 _THREAD_STATE = threading.local()
 
 
+def _drop_inherited_thread_state() -> None:
+    """A process forked from a thread worker (an inner loader's pool, made in a thread pool's
+    task) keeps that thread's locals in its only thread: they are not this process's worker."""
+    _THREAD_STATE.__dict__.pop("state", None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_thread_state)
+
+
 def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ...], slot: Slot | None) -> Any:
     """The pool's task: load one or more consecutive batches of one epoch in this worker.
 

@@ -359,6 +359,13 @@ def test_loaders_and_pools_refuse_to_be_copied_or_pickled_and_say_what_to_do(cop
         assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the original goes on
 
 
+def test_a_loader_with_worker_processes_inside_a_thread_worker_loads_its_own_batches() -> None:
+    """Its workers are forked from the thread worker's thread and inherit that thread's locals:
+    they must still act as process workers of the inner loader."""
+    with DataLoader(_data.NestedLoader(num_workers=2), batch_size=2, num_workers=2, thread_pool=True) as loader:
+        assert [batch.tolist() for batch in loader] == [[28, 29], [30, 31]]
+
+
 def test_unstarted_loader_is_collected_silently() -> None:
     loader = DataLoader(np.arange(4), batch_size=2, num_workers=2)
     del loader
