@@ -105,21 +105,16 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
         same_dtype = len({t.dtype for t in tensors}) == 1 and tensors[0].dtype == out_dtype
 
         def fill_tensors(out: torch.Tensor) -> None:
+            if not same_dtype:
+                _refuse_graph(tensors)  # copy_ would quietly join out to their graph
+                for row, t in zip(out, tensors):
+                    row.copy_(t)
+                return
             try:
-                if not same_dtype and any(t.requires_grad for t in tensors):  # copy_ would join out to the graph
-                    raise RuntimeError("requires grad")
-                if same_dtype:
-                    torch.stack(list(tensors), out=out)
-                else:
-                    for row, t in zip(out, tensors):
-                        row.copy_(t)
-            except RuntimeError:
-                graph = [i for i, t in enumerate(tensors) if t.requires_grad][:3]
-                if not graph:
-                    raise
-                raise TypeError(f"samples {graph} are tensors that require grad (part of an autograd graph); a batch "
-                                "is a new tensor and cannot carry their graph: return tensor.detach() from the "
-                                "dataset, or stack them in a batchify_fn of your own with num_workers=0") from None
+                torch.stack(list(tensors), out=out)
+            except RuntimeError:  # torch refuses out= for inputs in a graph: checked only then
+                _refuse_graph(tensors)
+                raise
 
         return Leaf((len(tensors),) + tuple(tensors[0].shape), out_dtype, fill_tensors)
     arrays: Sequence[Any] = items if kinds == {np.ndarray} else [np.asarray(item) for item in items]
@@ -156,6 +151,15 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
             raise
 
     return Leaf((len(arrays),) + arrays[0].shape, found, fill_arrays)
+
+
+def _refuse_graph(tensors: Sequence[torch.Tensor]) -> None:
+    """TypeError when some of `tensors` require grad: a batch is a new tensor and cannot carry their graph."""
+    graph = [i for i, t in enumerate(tensors) if t.requires_grad][:3]
+    if graph:
+        raise TypeError(f"samples {graph} are tensors that require grad (part of an autograd graph); a batch is a "
+                        "new tensor and cannot carry their graph: return tensor.detach() from the dataset, or "
+                        "stack them in a batchify_fn of your own with num_workers=0")
 
 
 def _dtype_hint(dtype: np.dtype[Any]) -> str:
