@@ -17,7 +17,7 @@ from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
 from ._rows import load_rows
 from ._transport import SlotMaps, SlotSpace, pack_batch
 from ._tree import arrays_to_tensors
-from .batchify import default_batchify_fn, plan_batch
+from .batchify import build_planned, default_batchify_fn, plan_batch
 
 __all__ = ["BatchWriter", "Cursor", "DirectWriter", "SharedMemoryWriter", "load_batch"]
 
@@ -55,7 +55,14 @@ class SharedMemoryWriter:
 
     def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], space: SlotSpace | None) -> Any:
         self._count_batch()
-        return pack_batch(plan_batch(batchify_fn, samples), space, self.maps)
+        start = space.offset if space is not None else 0
+
+        def pack(plan: Any) -> Any:
+            if space is not None:
+                space.offset = start  # planned again (see build_planned): written where the first try began
+            return pack_batch(plan, space, self.maps)
+
+        return build_planned(lambda: plan_batch(batchify_fn, samples), pack)
 
     def load_rows(self, load: Callable[[Any], Any], keys: list[Any], space: SlotSpace | None,
                   cursor: Cursor) -> tuple[Any, list[Any]]:

@@ -8,10 +8,12 @@ Nothing here starts a process or touches CUDA.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
+import threading
 from collections.abc import Mapping, Sequence  # typing's aliases check isinstance ~2x slower
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -19,8 +21,10 @@ import torch
 from ._math import round_up
 from ._tree import Leaf, Opaque, as_torch_dtype, map_structure, materialize, numeric_tensor, plan_from_value
 
-__all__ = ["Append", "AsList", "Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn",
-           "plan_batch"]
+__all__ = ["Append", "AsList", "Dict", "Group", "List", "Pad", "Stack", "Tuple", "build_planned",
+           "default_batchify_fn", "plan_batch"]
+
+_T = TypeVar("_T")
 
 
 def _alloc_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -34,6 +38,55 @@ def plan_batch(batchify_fn: Callable[[list[Any]], Any], samples: list[Any]) -> A
     if planner is not None:
         return planner(samples)
     return plan_from_value(batchify_fn(samples))
+
+
+class _MixedDtypes(Exception):
+    """Raised by the fill of a numpy field planned with its first array's dtype, when the
+    field's arrays turn out to have several: the batch is planned again (see build_planned)."""
+
+
+class _Promoting(threading.local):
+    """Set while a batch is planned again: numpy fields then take the dtype that torch's type
+    promotion gives their arrays. Per thread: thread workers plan batches side by side."""
+
+    active = False
+
+
+_PROMOTING = _Promoting()
+
+
+def build_planned(plan: Callable[[], Any], build: Callable[[Any], _T]) -> _T:
+    """`build(plan())`; where a numpy field mixes dtypes, planned and built again with each such
+    field's dtype promoted over its arrays, as torch's default_collate does.
+
+    A field of numpy arrays is planned with its first array's dtype and filled with no casting
+    allowed, so a batch of one dtype pays nothing for the check: the fill finds the rare mixed
+    one. `build` must undo what its first try did (it runs again from the start).
+    """
+    try:
+        return build(plan())
+    except _MixedDtypes:
+        pass
+    _PROMOTING.active = True
+    try:
+        return build(plan())
+    finally:
+        _PROMOTING.active = False
+
+
+def _promoted(dtypes: Any) -> torch.dtype:
+    """torch's promotion of numpy or torch dtypes (int64 with float32 gives float32, as
+    torch.stack does); a TypeError naming a dtype torch cannot hold."""
+    found = []
+    for dtype in dtypes:
+        torch_dtype = as_torch_dtype(dtype)
+        if torch_dtype is None:
+            shown = sorted(map(str, dtypes))
+            raise TypeError(f"cannot stack samples of numpy dtypes {shown} into one tensor: torch has no dtype for "
+                            f"{dtype}; {_dtype_hint(np.dtype(dtype))}convert them in the dataset, or give this field "
+                            "a batchify function such as gloader.batchify.List()")
+        found.append(torch_dtype)
+    return functools.reduce(torch.promote_types, found)
 
 
 def _check_dtype(dtype: Any) -> torch.dtype | None:
@@ -88,6 +141,7 @@ def _shape_error(shapes: list[tuple[int, ...]]) -> ValueError:
 
 
 _SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
@@ -101,8 +155,9 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
         shapes = set(map(_SHAPE, tensors))
         if len(shapes) != 1:
             raise _shape_error([tuple(s) for s in shapes])
-        out_dtype = dtype or tensors[0].dtype
-        same_dtype = len({t.dtype for t in tensors}) == 1 and tensors[0].dtype == out_dtype
+        dtypes = set(map(_DTYPE, tensors))
+        out_dtype = dtype or (tensors[0].dtype if len(dtypes) == 1 else _promoted(dtypes))  # torch.stack's rule
+        same_dtype = dtypes == {out_dtype}
 
         def fill_tensors(out: torch.Tensor) -> None:
             if not same_dtype:
@@ -131,23 +186,37 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
         shapes = set(map(_SHAPE, arrays))
         if len(shapes) != 1:
             raise _shape_error(list(shapes))
-    found = dtype or as_torch_dtype(arrays[0].dtype)
+    # Without a dtype given, the first array's is assumed and the fill allows no casting: it
+    # finds a field of several dtypes (raising _MixedDtypes), which is then planned again with
+    # the dtypes promoted (see build_planned).
+    cast: Literal["unsafe", "no"] = "no"
+    if dtype is not None:
+        found: torch.dtype | None = dtype
+        cast = "unsafe"
+    elif _PROMOTING.active:
+        found = _promoted(set(map(_DTYPE, arrays)))
+        cast = "unsafe"
+    else:
+        found = as_torch_dtype(arrays[0].dtype)
     if found is None:
         raise TypeError(f"cannot stack samples of numpy dtype {arrays[0].dtype} into a tensor; "
                         f"{_dtype_hint(arrays[0].dtype)}use gloader.batchify.List() for non-numeric fields")
-    cast: Literal["unsafe", "same_kind"] = "unsafe" if dtype is not None else "same_kind"
 
     def fill_arrays(out: torch.Tensor) -> None:
         target = out.numpy()
-        if not concatenates:
-            np.stack(arrays, axis=0, out=target, casting=cast)
-            return
         try:
+            if not concatenates:
+                np.stack(arrays, axis=0, out=target, casting=cast)
+                return
             np.concatenate(arrays, axis=0, out=target.reshape((-1,) + first_shape[1:]), casting=cast)
         except ValueError:
             shapes = set(map(_SHAPE, arrays))
             if len(shapes) != 1:
                 raise _shape_error(list(shapes)) from None
+            raise
+        except TypeError:
+            if cast == "no" and len(set(map(_DTYPE, arrays))) > 1:
+                raise _MixedDtypes from None
             raise
 
     return Leaf((len(arrays),) + arrays[0].shape, found, fill_arrays)
@@ -188,6 +257,10 @@ def _plan_array_field(samples: Sequence[Any]) -> Any:
                         "batchify_fn such as gloader.batchify.List()")
     if isinstance(first, torch.Tensor) and first.is_nested:
         return Opaque(list(samples))  # nested tensors do not stack; they travel as they are
+    if isinstance(first, torch.Tensor) and first.layout != torch.strided:
+        raise TypeError(f"the default batchify cannot batch tensors of layout {first.layout} (as torch's "
+                        "default_collate cannot): return tensor.to_dense() from the dataset, or give a batchify_fn "
+                        "such as gloader.batchify.List(), which keeps them as a list")
     return _plan_stack(samples, None)
 
 
@@ -246,7 +319,11 @@ def default_batchify_fn(samples: list[Any]) -> Any:
         TypeError: for a field mixing numbers with other values (None), or numpy arrays of a
             dtype torch cannot hold (objects), as torch's `default_collate` does.
     """
-    return materialize(_plan_default(samples), _alloc_host)
+    return build_planned(lambda: _plan_default(samples), _materialize_host)
+
+
+def _materialize_host(plan: Any) -> Any:
+    return materialize(plan, _alloc_host)
 
 
 default_batchify_fn._gloader_plan = _plan_default  # type: ignore[attr-defined]  # read by plan_batch
@@ -256,7 +333,7 @@ class _Batchify:
     """Shared call path: every built-in batchify function is its plan, materialized."""
 
     def __call__(self, samples: list[Any]) -> Any:
-        return materialize(self._gloader_plan(samples), _alloc_host)
+        return build_planned(lambda: self._gloader_plan(samples), _materialize_host)
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
         raise NotImplementedError

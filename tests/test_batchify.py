@@ -229,6 +229,52 @@ def test_python_and_numpy_numbers_mix_numpy_first_and_none_is_a_type_error() -> 
         default_batchify_fn([1, None])
 
 
+_MIXED_DTYPES = [
+    (np.array([1.5], np.float32), np.array([1e-50])),  # float32 alone would make the second 0
+    (np.array([1]), np.array([1.5], np.float32)),  # torch's promotion: float32, not numpy's float64
+    (np.array([200], np.uint8), np.array([-1], np.int8)),
+    (np.array([True]), np.array([5])),
+    (np.float32(1.5), np.float64(1e-50)),
+    (np.int32(1), np.float64(1.5)),
+    (torch.tensor([1]), torch.tensor([1.5])),  # int64 alone would make the second 1
+    (torch.tensor([1.5]), torch.tensor([1e-50], dtype=torch.float64)),
+    (torch.tensor(1), torch.tensor(1.5)),
+]
+
+
+@pytest.mark.parametrize("first, other", _MIXED_DTYPES, ids=lambda value: str(value.dtype))
+def test_a_field_of_several_dtypes_is_promoted_as_torchs_default_collate_does(first: Any, other: Any) -> None:
+    for samples in ([first, other], [other, first], [first, first, other, first]):
+        expected = torch.utils.data.default_collate(samples)
+        for batchify in (default_batchify_fn, Stack()):
+            got = batchify(samples)
+            assert got.dtype == expected.dtype and torch.equal(got, expected), (batchify, samples)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers, threads", [(0, False), (2, False), (2, True)],
+                         ids=["in-process", "processes", "threads"])
+@pytest.mark.parametrize("size", [4, 8192], ids=["small", "row-wise"])  # 8192 float32: written row by row
+def test_samples_of_several_dtypes_batch_through_workers_with_the_promoted_dtype(num_workers: int, threads: bool,
+                                                                                 size: int) -> None:
+    samples = [(np.full(size, i + 0.25, np.float32 if i % 3 else np.float64), i) for i in range(12)]
+    with DataLoader(samples, batch_size=4, num_workers=num_workers, thread_pool=threads) as loader:
+        batches = list(loader)
+    assert [b[0].dtype for b in batches] == [torch.float64] * 3
+    assert torch.equal(torch.cat([b[0] for b in batches]), torch.tensor(np.stack([s[0] for s in samples])))
+    one_dtype = [(np.full(size, i, np.float32), i) for i in range(8)]
+    with DataLoader(one_dtype, batch_size=4, num_workers=num_workers, thread_pool=threads) as loader:
+        assert [b[0].dtype for b in loader] == [torch.float32] * 2
+
+
+def test_fields_that_cannot_become_one_tensor_say_what_they_hold() -> None:
+    with pytest.raises(TypeError, match=r"numpy dtypes \['<U1', 'float64'\] into one tensor: torch has no dtype for <U1"):
+        default_batchify_fn([np.array([1.5]), np.array(["a"])])
+    with pytest.raises(TypeError, match="cannot batch tensors of layout torch.sparse_coo .*tensor.to_dense"):
+        default_batchify_fn([torch.eye(2).to_sparse(), torch.eye(2).to_sparse()])
+    assert List()([torch.eye(2).to_sparse()])[0].is_sparse
+
+
 @pytest.mark.timeout(60)
 def test_nested_tensors_pass_through_process_workers() -> None:
     with DataLoader([np.arange(n) for n in (1, 2, 3, 4)], batch_size=2, num_workers=1,
