@@ -3,6 +3,7 @@ that spawn and forkserver workers can find them)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import faulthandler
 import os
 import random
@@ -492,3 +493,11 @@ class NestedLoader(gloader.Dataset):
     def __getitem__(self, idx: int) -> Any:
         with gloader.DataLoader(np.arange(8), batch_size=4, **self.inner) as loader:
             return idx + sum(int(batch.sum()) for batch in loader)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spot:
+    """A sample field that no batchify rule stacks (the default keeps such fields as a list)."""
+
+    x: int
+    y: int

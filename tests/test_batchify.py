@@ -276,6 +276,18 @@ def test_fields_that_cannot_become_one_tensor_say_what_they_hold() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_fields_of_other_objects_stay_a_list_where_torch_raises(num_workers: int) -> None:
+    samples = [(i, None, {i}, _data.Spot(i, -i)) for i in range(4)]
+    with pytest.raises(TypeError, match="default_collate: batch must contain"):
+        torch.utils.data.default_collate(samples)
+    with DataLoader(samples, batch_size=4, num_workers=num_workers) as loader:
+        (batch,) = list(loader)
+    assert batch[0].tolist() == [0, 1, 2, 3]
+    assert batch[1:] == [[None] * 4, [{0}, {1}, {2}, {3}], [_data.Spot(i, -i) for i in range(4)]]
+
+
+@pytest.mark.timeout(60)
 def test_nested_tensors_pass_through_process_workers() -> None:
     with DataLoader([np.arange(n) for n in (1, 2, 3, 4)], batch_size=2, num_workers=1,
                     batchify_fn=_data.nested_batchify) as loader:
