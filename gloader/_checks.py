@@ -8,7 +8,9 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-__all__ = ["LAST_BATCH_MODES", "START_METHODS", "check_last_batch", "check_non_negative_int",
+import numpy as np
+
+__all__ = ["LAST_BATCH_MODES", "START_METHODS", "check_flag", "check_last_batch", "check_non_negative_int",
            "check_positive_int", "check_start_method", "is_int"]
 
 LAST_BATCH_MODES = ("keep", "discard", "rollover")
@@ -18,6 +20,21 @@ START_METHODS = ("fork", "spawn", "forkserver")
 def is_int(value: Any) -> bool:
     """An integer (Python or numpy), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_flag(name: str, value: Any, *, none_means: bool | None = None) -> bool:
+    """Return a yes/no argument as a bool: True, False, a numpy bool, or the integers 0 and 1
+    (config files and torch code pass them); None means `none_means` where that is not None.
+    Anything else is a TypeError: a string such as 'False' is truthy, and would say the opposite
+    of what it reads."""
+    if value is None and none_means is not None:
+        return none_means
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if is_int(value) and value in (0, 1):
+        return bool(value)
+    allowed = "True or False" + (" (or None)" if none_means is not None else "")
+    raise TypeError(f"{name} must be {allowed}, got {value!r} of type {type(value).__name__}")
 
 
 def check_last_batch(last_batch: Any) -> str:

@@ -16,7 +16,14 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ._checks import check_last_batch, check_non_negative_int, check_positive_int, check_start_method, is_int
+from ._checks import (
+    check_flag,
+    check_last_batch,
+    check_non_negative_int,
+    check_positive_int,
+    check_start_method,
+    is_int,
+)
 from ._math import ceil_div
 from ._pool import WorkerPool
 from ._protocol import StreamRequest
@@ -104,14 +111,14 @@ class LoaderConfig:
             raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
         given_seed = _seed_from(seed, generator)
         base_seed = given_seed if given_seed is not None else draw_base_seed()
-        pin = bool(pin_memory)
+        pin = check_flag("pin_memory", pin_memory, none_means=False)
         pin_id = _check_pin_device(pin, pin_device_id)
         target = _check_device(device)
         if batchify_fn is not None and not callable(batchify_fn):
             raise TypeError(f"batchify_fn must be callable or None, got {batchify_fn!r}")
         plan = _plan_batches(dataset, batch_size, shuffle, sampler, last_batch, batch_sampler, base_seed,
                              batchify_fn)
-        thread = bool(thread_pool)
+        thread = check_flag("thread_pool", thread_pool)
         _warn_about_setup(workers, plan.sampler, plan.stream is not None)
         # Dispatch the next epoch's first batches before the caller asks only when this loader
         # built the sampler (a user's may change between epochs: DistributedSampler.set_epoch)
@@ -123,9 +130,10 @@ class LoaderConfig:
                    batchify_fn=plan.batchify_fn, lookahead=lookahead, num_workers=workers, prefetch=depth,
                    thread_pool=thread, timeout_s=timeout_s, pin_memory=pin, pin_device_id=pin_id, device=target,
                    start_method=method, worker_init_fn=worker_init_fn, seed=given_seed, base_seed=base_seed,
-                   pool=pool, progress=bool(progress), batch_size=plan.batch_size, sampler=plan.sampler,
+                   pool=pool, progress=check_flag("progress", progress), batch_size=plan.batch_size,
+                   sampler=plan.sampler,
                    drop_last=plan.drop_last, generator=generator,
-                   in_order=_check_bool("in_order", in_order), stream_batches=plan.stream_batches)
+                   in_order=check_flag("in_order", in_order), stream_batches=plan.stream_batches)
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:
@@ -139,8 +147,7 @@ def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any
 def _merge_drop_last(last_batch: Any, drop_last: Any) -> Any:
     if drop_last is None:
         return last_batch
-    if not isinstance(drop_last, bool):
-        raise TypeError(f"drop_last must be True, False or None, got {drop_last!r}")
+    drop_last = check_flag("drop_last", drop_last, none_means=False)  # None was taken above; named as allowed
     _one_of("last_batch", last_batch, "drop_last", drop_last)  # the error names what the user passed
     return "discard" if drop_last else "keep"
 
@@ -156,17 +163,11 @@ def _context_name(context: Any) -> str | None:
     return str(get())
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
 def _check_worker_options(workers: int, start_method: Any, persistent_workers: Any, prefetch: Any,
                           prefetch_factor: Any) -> None:
     """Options that mean something only with workers, as torch checks them."""
     if persistent_workers is not None:
-        _check_bool("persistent_workers", persistent_workers)  # workers always persist: accepted
+        check_flag("persistent_workers", persistent_workers)  # workers always persist: accepted
     if workers == 0:
         for name, value in (("start_method (or multiprocessing_context)", start_method),
                             ("prefetch_factor", prefetch_factor), ("persistent_workers", persistent_workers or None)):
@@ -228,6 +229,7 @@ def _plan_batches(dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, las
     if not hasattr(dataset, "__getitem__") and not is_stream:
         raise TypeError(f"dataset must support __getitem__ and __len__ (or be a gloader.IterableDataset), "
                         f"got {type(dataset).__name__}")
+    shuffle = check_flag("shuffle", shuffle, none_means=False)
     unbatched = batch_size is None and batch_sampler is None
     if unbatched and check_last_batch(last_batch) != "keep":
         raise ValueError(f"batch_size=None loads one sample at a time (torch's unbatched mode); last_batch="

@@ -22,7 +22,7 @@ import weakref
 from typing import Any, Callable
 
 from ._admission import usable_cpus
-from ._checks import check_positive_int, check_start_method
+from ._checks import check_flag, check_positive_int, check_start_method
 from ._mppool import ProcessLock, make_pool_class
 from ._pooldir import PoolDirectory
 from ._protocol import WorkerExitedError
@@ -435,7 +435,7 @@ class WorkerPool:
 
     def __init__(self, num_workers: int, *, thread_pool: bool = False, start_method: str | None = None) -> None:
         self.num_workers = check_positive_int("num_workers", num_workers)
-        self.thread_pool = bool(thread_pool)
+        self.thread_pool = check_flag("thread_pool", thread_pool)
         self.start_method = check_start_method(start_method)
         self._core: PoolCore | None = PoolCore(self.num_workers, self.thread_pool, start_method, [])
         self._finalizer = weakref.finalize(self, _finalize_pool, self._core)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal, TypeVar
 import numpy as np
 import torch
 
+from ._checks import check_flag
 from ._math import round_up
 from ._tree import Leaf, Opaque, as_torch_dtype, map_structure, materialize, numeric_tensor, plan_from_value
 
@@ -402,7 +403,7 @@ class Pad(_Batchify):
                              "MXNet 2.0's Pad(val=...) pads every axis with val: pass one form")
         self._axis = axis
         self._pad_val = (0 if val is None else val) if self._every_axis else pad_val
-        self._ret_length = bool(ret_length)
+        self._ret_length = check_flag("ret_length", ret_length)
         self._dtype = _check_dtype(dtype)
         self._round_to = round_to
 
@@ -526,7 +527,7 @@ class Append(_Batchify):
     def __init__(self, expand: bool = True, batch_axis: int = 0) -> None:
         if isinstance(batch_axis, bool) or not isinstance(batch_axis, int):
             raise TypeError(f"batch_axis must be an integer, got {batch_axis!r}")
-        self._expand = bool(expand)
+        self._expand = check_flag("expand", expand)
         self._batch_axis = batch_axis
 
     def _gloader_plan(self, samples: list[Any]) -> Any:

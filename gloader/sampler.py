@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ._checks import check_last_batch, check_positive_int
+from ._checks import check_flag, check_last_batch, check_positive_int
 from ._math import ceil_div
 
 __all__ = ["BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler", "RandomSampler",
@@ -137,7 +137,7 @@ class IntervalSampler(Sampler):
     def __init__(self, length: int, interval: int, rollover: bool = True) -> None:
         self._length = _check_length(length)
         self._interval = check_positive_int("interval", interval)
-        self._rollover = bool(rollover)
+        self._rollover = check_flag("rollover", rollover)
 
     def __iter__(self) -> Iterator[int]:
         for offset in range(self._interval if self._rollover else 1):
@@ -323,7 +323,7 @@ class DistributedSampler(Sampler):
         if last_batch not in _DISTRIBUTED_MODES:
             raise ValueError(f"last_batch must be one of {_DISTRIBUTED_MODES}, got {last_batch!r}")
         self._last_batch = last_batch
-        self._shuffle = bool(shuffle)
+        self._shuffle = check_flag("shuffle", shuffle)
         self._seed = int(seed)
         self._epoch = 0
 

@@ -272,10 +272,24 @@ def test_structured_samples_batch_the_same_in_workers_and_inline() -> None:
     ({"batch_size": 2, "worker_init_fn": 3}, TypeError, "worker_init_fn must be callable"),
     ({"batch_size": 2, "batchify_fn": 3}, TypeError, "batchify_fn must be callable"),
     ({"batch_size": 2, "device": "tpu"}, ValueError, "device"),
+    # A string flag is truthy whatever it says: shuffle="False" would shuffle.
+    ({"batch_size": 2, "shuffle": "False"}, TypeError, r"shuffle must be True or False \(or None\), got 'False' of type str"),
+    ({"batch_size": 2, "pin_memory": "no"}, TypeError, "pin_memory must be True or False .* got 'no'"),
+    ({"batch_size": 2, "drop_last": "yes"}, TypeError, "drop_last must be True or False .* got 'yes'"),
+    ({"batch_size": 2, "thread_pool": 2}, TypeError, "thread_pool must be True or False, got 2 of type int"),
+    ({"batch_size": 2, "in_order": "False"}, TypeError, "in_order must be True or False, got 'False'"),
 ])
 def test_bad_arguments_raise_at_construction_naming_the_value(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         DataLoader(list(range(4)), **kwargs)
+
+
+def test_flags_take_numpy_bools_and_zero_or_one_as_torch_code_and_config_files_pass_them() -> None:
+    for shuffle, drop_last in ((np.True_, np.False_), (1, 0), (None, 1)):
+        with DataLoader(list(range(5)), batch_size=2, shuffle=shuffle, drop_last=drop_last, seed=0) as loader:
+            keys = torch.cat(list(loader)).tolist()
+        assert (keys != sorted(keys)) == bool(shuffle) and len(keys) == (4 if drop_last else 5)
+        assert loader.drop_last is bool(drop_last)
 
 
 def test_dataset_without_len_is_rejected_by_map_style_sampler() -> None:
