@@ -53,6 +53,7 @@ from ._protocol import (
 )
 from ._registry import Payload, Registration
 from ._seed import preserved_global_rng, seed_global_rng
+from ._snapshot import Picture, first_difference, picture
 from ._transport import Slot, SlotPool
 from ._worker import WorkerState, execute
 
@@ -289,6 +290,7 @@ class Engine:
         self._ramp_epoch: int | None = None  # the epoch whose tasks are being dispatched
         self._ramp = 1  # the most batches its next task may carry (see _TASK_TARGET_S)
         self._forked_from: int | None = None  # the pid whose workers this process inherited by fork
+        self._dataset_picture: Picture | None = None  # the dataset when worker processes took their copy
 
     @property
     def in_flight(self) -> int:
@@ -306,7 +308,28 @@ class Engine:
                                "process was forked; make a new DataLoader here")
         if self._backend is None:
             self._backend = _start(self._config, self._loader_id, self._make_payload)
+            if isinstance(self._backend, _OnPool) and not self._config.thread_pool:
+                self._dataset_picture = picture(self._config.dataset)
         return self._backend
+
+    def dataset_change(self) -> str | None:
+        """Where the dataset differs from the copy this loader's worker processes hold (a path
+        such as 'dataset.scale', see `_snapshot`); None when it does not, or when no process
+        holds a copy (in-process loading and thread workers read the dataset itself)."""
+        if self._dataset_picture is None:
+            return None
+        return first_difference(self._dataset_picture, picture(self._config.dataset))
+
+    @property
+    def owns_workers(self) -> bool:
+        """Whether the workers are this loader's own (not a shared WorkerPool's)."""
+        return not isinstance(self._backend, _OnPool) or self._backend.owns_core
+
+    def accept_dataset(self) -> None:
+        """Compare later changes with the dataset as it is now (a shared pool's workers keep
+        their copy: the change has been reported)."""
+        if self._dataset_picture is not None:
+            self._dataset_picture = picture(self._config.dataset)
 
     def batches_per_task(self) -> int:
         """How many batches the next task carries (see _TASK_TARGET_S)."""
@@ -503,6 +526,7 @@ class Engine:
         `fill` starts anew. Batches already collected stay valid. `prompt`: terminate at once
         (see `PoolCore.close`)."""
         backend, self._backend = self._backend, None
+        self._dataset_picture = None
         if backend is None:
             return
         self._discarded.extend(self._tasks)  # freed below: by the drain, or with every slot at close

@@ -120,6 +120,17 @@ class Schedule:
         epoch, self._upcoming = self._upcoming or self._new_epoch(), None
         return epoch
 
+    def rewind_upcoming(self) -> None:
+        """The epoch opened ahead opens again from its start (its batches in flight were
+        discarded, and the next `open` must dispatch them anew, with the same seeds)."""
+        upcoming, self._upcoming = self._upcoming, None
+        if upcoming is None:
+            return
+        if upcoming.start_state is not None and hasattr(self._sampler, "load_state_dict"):
+            self._sampler.load_state_dict(upcoming.start_state)
+        self._next_number = upcoming.number
+        self._resume_skip = upcoming.skipped
+
     def drop_upcoming(self) -> None:
         """Forget the epoch opened ahead (its batches in flight were discarded)."""
         self._upcoming = None

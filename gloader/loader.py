@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
+import warnings
 import weakref
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
@@ -23,6 +25,8 @@ from ._stats import PipelineStats
 from .batchify import EachSample
 
 __all__ = ["DataLoader"]
+
+logger = logging.getLogger(__name__)
 
 _LOADER_IDS = itertools.count(1)
 _T_co = TypeVar("_T_co", covariant=True)
@@ -158,10 +162,30 @@ class DataLoader(Generic[_T_co]):
             epoch = previous.epoch  # a probe does not use up an epoch; its batches in flight serve on
         else:
             self._end_iterator("a newer iter(loader)")
+            self._follow_dataset_changes()
             epoch = self._schedule.open()
         self._iterator = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options,
                                        self._device)
         return self._iterator
+
+    def _follow_dataset_changes(self) -> None:
+        """Let the epoch about to start see changes the caller made to the dataset since the
+        worker processes took their copy (`dataset.set_epoch(e)`, a new transform): the
+        loader's own workers are restarted, as torch's non-persistent workers are every epoch;
+        a shared WorkerPool's cannot be, which a warning says. See `_snapshot` for what is seen."""
+        changed = self._engine.dataset_change()
+        if changed is None:
+            return
+        if self._engine.owns_workers:
+            logger.info("%s changed since the worker processes took their copy of the dataset: restarting them "
+                        "for epoch %d", changed, self._schedule.state_dict(None, 0, False)["epoch"])
+            self._engine.stop_workers()  # batches opened ahead, from the old copy, go with them
+            self._schedule.rewind_upcoming()
+            return
+        self._engine.accept_dataset()
+        warnings.warn(f"{changed} changed since this DataLoader joined its WorkerPool, whose worker processes keep "
+                      "the dataset as it was then; make a new DataLoader on the pool to load the changed dataset",
+                      RuntimeWarning, stacklevel=3)
 
     def _end_iterator(self, reason: str) -> None:
         if self._iterator is not None:

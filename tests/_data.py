@@ -501,3 +501,17 @@ class Spot:
 
     x: int
     y: int
+
+
+class Scaled(gloader.Dataset):
+    """Sample i is i * self.scale: a dataset a training script changes between epochs."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.scale = 1
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> int:
+        return idx * self.scale
