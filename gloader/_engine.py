@@ -308,7 +308,8 @@ class Engine:
                                "process was forked; make a new DataLoader here")
         if self._backend is None:
             self._backend = _start(self._config, self._loader_id, self._make_payload)
-            if isinstance(self._backend, _OnPool) and not self._config.thread_pool:
+            if isinstance(self._backend, _OnPool) and not self._config.thread_pool \
+                    and not self._config.persistent_workers:  # torch's persistent workers keep their copy
                 self._dataset_picture = picture(self._config.dataset)
         return self._backend
 

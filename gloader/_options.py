@@ -74,8 +74,10 @@ class LoaderConfig:
     generator: torch.Generator | None
     in_order: bool
     stream_batches: int | None
-
-    persistent_workers = True  # torch's attribute: workers always persist across epochs
+    # torch's argument. Workers persist across epochs either way; True also keeps their copy of
+    # the dataset for the loader's life, as torch's persistent workers do (torch's own tests
+    # assert it), where False (the default) restarts them when the dataset changed.
+    persistent_workers: bool
 
     @property
     def prefetch_factor(self) -> int | None:
@@ -133,7 +135,8 @@ class LoaderConfig:
                    pool=pool, progress=check_flag("progress", progress), batch_size=plan.batch_size,
                    sampler=plan.sampler,
                    drop_last=plan.drop_last, generator=generator,
-                   in_order=check_flag("in_order", in_order), stream_batches=plan.stream_batches)
+                   in_order=check_flag("in_order", in_order), stream_batches=plan.stream_batches,
+                   persistent_workers=check_flag("persistent_workers", persistent_workers, none_means=False))
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:
@@ -167,7 +170,7 @@ def _check_worker_options(workers: int, start_method: Any, persistent_workers: A
                           prefetch_factor: Any) -> None:
     """Options that mean something only with workers, as torch checks them."""
     if persistent_workers is not None:
-        check_flag("persistent_workers", persistent_workers)  # workers always persist: accepted
+        check_flag("persistent_workers", persistent_workers)
     if workers == 0:
         for name, value in (("start_method (or multiprocessing_context)", start_method),
                             ("prefetch_factor", prefetch_factor), ("persistent_workers", persistent_workers or None)):

@@ -83,8 +83,11 @@ class DataLoader(Generic[_T_co]):
             or 'keep' (False); batches in flight per worker; the start method (a name or a
             context); a torch.Generator to draw the seed from. Passing both a torch name and
             its Gluon counterpart is a ValueError.
-        persistent_workers, in_order: accepted for torch code; workers always persist across
-            epochs and batches always come in sampler order.
+        persistent_workers: workers persist across epochs either way. False (the default) has
+            them restarted at an epoch's start when the dataset changed since they took their
+            copy (torch's default workers start afresh every epoch); True keeps their copy for
+            the loader's life, as torch's persistent workers do.
+        in_order: accepted for torch code; batches always come in sampler order.
 
     With `batch_size=None` (torch's unbatched mode) each sample is its own batch, converted
     as torch's `default_convert` does (or passed to `collate_fn`). With `seed=None` the seed is
@@ -141,7 +144,8 @@ class DataLoader(Generic[_T_co]):
     prefetch_factor = _FromConfig("prefetch_factor", "Batches in flight per worker (None without workers).")
     collate_fn = _FromConfig("batchify_fn", "The batchify function (torch's name).")
     generator = _FromConfig("generator", "The torch.Generator the seed was drawn from, if one was given.")
-    persistent_workers = _FromConfig("persistent_workers", "Always True: workers persist across epochs.")
+    persistent_workers = _FromConfig("persistent_workers", "As given (False by default). Workers persist either way; "
+                                                           "True also keeps their copy of the dataset, unchanged.")
     multiprocessing_context = _FromConfig("start_method", "The start method of the worker processes.")
     in_order = _FromConfig("in_order", "Batches are always yielded in sampler order.")
 

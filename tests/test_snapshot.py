@@ -65,6 +65,18 @@ def test_a_dataset_changed_between_epochs_is_loaded_as_changed_by_the_next_epoch
 
 
 @pytest.mark.timeout(120)
+def test_persistent_workers_keep_their_copy_of_the_dataset_as_torchs_do() -> None:
+    dataset = _data.Scaled(8)
+    with DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True) as loader:
+        assert loader.persistent_workers is True
+        first = torch.cat(list(loader)).tolist()
+        pids = loader.worker_pids()
+        dataset.scale = 10
+        assert torch.cat(list(loader)).tolist() == first == list(range(8))
+        assert loader.worker_pids() == pids
+
+
+@pytest.mark.timeout(120)
 def test_a_dataset_changed_under_a_shared_pool_gets_a_warning_that_says_what_to_do() -> None:
     dataset = _data.Scaled(8)
     with WorkerPool(2) as pool, DataLoader(dataset, batch_size=4, num_workers=2, pool=pool) as loader:

@@ -24,7 +24,7 @@ def test_torch_attributes_are_readable_and_read_only() -> None:
         assert loader.dataset is data and loader.batch_size == 4 and loader.drop_last is True
         assert loader.num_workers == 2 and loader.prefetch_factor == 3 and loader.timeout == 30.0
         assert loader.pin_memory is False and loader.worker_init_fn is None and loader.generator is None
-        assert loader.collate_fn is gloader.batchify.default_batchify_fn and loader.persistent_workers is True
+        assert loader.collate_fn is gloader.batchify.default_batchify_fn and loader.persistent_workers is False
         assert loader.batch_sampler.batch_size == 4 and loader.batch_sampler.sampler is loader.sampler
         assert len(loader) == 2
         with pytest.raises(AttributeError, match="DataLoader.batch_size is read-only"):
