@@ -32,9 +32,16 @@ class _HostBatches:
         self._stats = stats
         self.collected = 0  # batches taken from the engine (by the caller or the pin thread)
         self.ended = False  # no batch will come: the epoch is over, or its workers were stopped
+        self._sampler_error: Exception | None = None  # raised by the sampler; given after the batches before it
 
     def _next_job(self) -> Any:
-        return self._schedule.next_job(self._epoch)
+        if self._sampler_error is not None:
+            return None
+        try:
+            return self._schedule.next_job(self._epoch)
+        except Exception as exc:  # the batches dispatched before it are still good: the error takes its turn
+            self._sampler_error = exc
+            return None
 
     def _collect(self) -> Collected | None:
         """The engine's next result of this epoch, None when it has none left."""
@@ -48,6 +55,9 @@ class _HostBatches:
             raise
         if got is None:  # nothing of this epoch in flight and nothing left to dispatch
             self.ended = True
+            if self._sampler_error is not None:
+                error, self._sampler_error = self._sampler_error, None
+                raise error
         elif not isinstance(got.batch, ShardEnd):
             self.collected += 1
             self._stats.record_work(self._epoch.number, got.timings)
@@ -130,6 +140,7 @@ class EpochIterator:
         self.epoch = epoch
         self.yielded = epoch.skipped
         self.finished = False  # the caller reached the epoch's end
+        self._asked = False  # next() was called (a batch or an error was handed over)
         self._engine = engine
         self._stats = stats
         self._device = device
@@ -161,6 +172,7 @@ class EpochIterator:
                                "iterating one loader need two loaders)")
         if self.finished:
             raise StopIteration
+        self._asked = True
         asked = time.perf_counter()
         try:
             batch = self._next_batch()
@@ -209,7 +221,8 @@ class EpochIterator:
     @property
     def untouched(self) -> bool:
         """Nothing of the epoch was taken yet (an iterator made and dropped, as Lightning's probe)."""
-        return not self.finished and self._pinner is None and self._host.collected == 0 and not self._host.ended
+        return (not self._asked and not self.finished and self._pinner is None and self._host.collected == 0
+                and not self._host.ended)
 
     def stop(self, reason: str, keep_epoch: bool = False) -> None:
         """End this iterator: stop its pin thread and (unless `keep_epoch`, for a successor

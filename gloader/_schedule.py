@@ -52,6 +52,7 @@ class Epoch:
         self.exhausted = False
         self._batches = batches
         self._end_state_of = end_state_of
+        self._failed: Exception | None = None  # raised by the sampler while reading ahead: given at its turn
         self._next = self._advance()
 
     def _advance(self) -> tuple[int, Any] | None:
@@ -70,8 +71,14 @@ class Epoch:
         """The next (index, work), or None when the epoch is exhausted."""
         item = self._next
         if item is not None and not self.exhausted:
-            self._next = self._advance()
+            try:
+                self._next = self._advance()  # one batch ahead, so that the end is known when it comes
+            except Exception as exc:
+                self._next, self._failed = None, exc
             return item
+        if self._failed is not None:
+            error, self._failed = self._failed, None
+            raise error
         return None
 
     @property

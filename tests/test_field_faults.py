@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import time
+from typing import Iterator
 
 import numpy as np
 import psutil
@@ -152,6 +153,37 @@ def test_sys_exit_in_a_worker_is_an_error_not_the_end_of_the_script(mode: dict) 
         with pytest.raises(RuntimeError, match=r"SystemExit\(7\) was raised in gloader worker 0.*must raise an "
                                                r"exception, not exit"):
             list(loader)
+
+
+class _BreaksInFirstEpoch:
+    """Sampler whose first epoch raises at index 9 (in the third batch of 4)."""
+
+    def __init__(self) -> None:
+        self.epochs = 0
+
+    def __iter__(self) -> Iterator[int]:
+        self.epochs += 1
+        for index in range(16):
+            if self.epochs == 1 and index == 9:
+                raise KeyError("the sampler broke")
+            yield index
+
+    def __len__(self) -> int:
+        return 16
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [{}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
+def test_a_sampler_that_raises_gives_the_batches_before_it_then_its_error_then_whole_epochs(mode: dict) -> None:
+    with DataLoader(list(range(16)), batch_size=4, sampler=_BreaksInFirstEpoch(), **mode) as loader:
+        served = []
+        with pytest.raises(KeyError, match="the sampler broke"):
+            for batch in loader:
+                served.append(batch.tolist())
+        assert served == [[0, 1, 2, 3], [4, 5, 6, 7]]  # as torch gives them without workers
+        whole = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+        assert [batch.tolist() for batch in loader] == whole  # a new epoch, not the broken one's leftovers
+        assert [batch.tolist() for batch in loader] == whole
 
 
 @pytest.mark.parametrize("mode", [{}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
