@@ -196,6 +196,10 @@ def _spill(data: bytes, directory: str) -> bytes:
     return pickle.dumps(_Spilled(path), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+# struct flock as fcntl(2) takes it on Linux: type, whence, start, length, pid (padded to 32 bytes).
+_FLOCK = struct.Struct("@hhqqi4x")
+
+
 class ProcessLock:
     """A lock between processes that the kernel releases when its holder dies: a POSIX record
     lock on a file of the pool's. Owned by the process (every thread of it), so the pool's own
@@ -240,6 +244,13 @@ class ProcessLock:
 
     def release(self) -> None:
         fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def holder(self) -> int | None:
+        """The pid of the process that holds the lock (as the kernel says), None when no
+        other process does (a lock this process holds is not reported)."""
+        asked = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        kind, _, _, _, pid = _FLOCK.unpack(fcntl.fcntl(self._fd, fcntl.F_GETLK, asked))
+        return None if kind == fcntl.F_UNLCK else int(pid)
 
     def __enter__(self) -> bool:
         return self.acquire()

@@ -391,7 +391,8 @@ def initialize_process_worker(spec: PoolSpec, registrations: list[tuple[int, Pay
         link = _ProcessLink(spec, row)
         on_task_taken(functools.partial(_claim_task, link))
         on_result_sent(link.end)
-        admission = Admission(spec.permits, worker_id) if spec.permits else None
+        admission = (Admission(spec.permits, worker_id, lambda pid: link.status.doing(pid) is not None)
+                     if spec.permits else None)
         if admission is not None:
             on_task_wanted(admission.before_task)
         _PROCESS_STATE = WorkerState(worker_id, spec.num_workers, SharedMemoryWriter(), link, _seed_globals,

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+import multiprocess
 import numpy as np
 import torch
 
@@ -515,3 +516,20 @@ class Scaled(gloader.Dataset):
 
     def __getitem__(self, idx: int) -> int:
         return idx * self.scale
+
+
+class MeetAtBarrier(gloader.Dataset):
+    """Every sample waits until all `parties` samples are being loaded at once (as torch's
+    test_worker_seed makes its workers do); returns the loading pid. Fork workers only (the
+    barrier is inherited)."""
+
+    def __init__(self, parties: int) -> None:
+        self.parties = parties
+        self.barrier = multiprocess.get_context("fork").Barrier(parties, timeout=20)  # the heap the suite warms
+
+    def __len__(self) -> int:
+        return self.parties
+
+    def __getitem__(self, idx: int) -> int:
+        self.barrier.wait()
+        return os.getpid()

@@ -77,6 +77,15 @@ def test_tasks_that_block_a_sixth_of_their_time_also_run_side_by_side(one_cpu) -
     assert _overlaps(rows) > 0
 
 
+def test_samples_that_wait_for_one_another_load_together_beyond_the_permits(one_cpu) -> None:
+    """The permit holder's sample waits at a barrier for the other two, which only workers
+    without a permit can load: the waiting workers see the holder stuck off the CPU inside its
+    task and run theirs (before, the loader timed out)."""
+    with DataLoader(_data.MeetAtBarrier(3), batch_size=1, num_workers=3, timeout=30) as loader:
+        pids = [int(batch) for batch in loader]
+    assert len(set(pids)) == 3
+
+
 def test_without_the_run_delay_a_pool_takes_no_permits(one_cpu, monkeypatch) -> None:
     """Where /proc/thread-self/schedstat cannot be read, waiting for a CPU cannot be told from
     blocking; such a pool runs every task at once, as one that fits its CPUs does."""
