@@ -62,3 +62,30 @@ print(all(torch.equal(results[0], other) for other in results.values()))
 # In-process loading (`num_workers=0`) seeds inside a save-and-restore block, so your own
 # random streams are not disturbed. With `thread_pool=True` the global generators are shared
 # by all threads; draw from `gloader.get_worker_info().rng` for reproducible randomness there.
+
+# %% [markdown]
+# ## Changing the dataset between epochs
+# Worker processes keep the copy of the dataset they started with. When you change the
+# dataset between epochs (a curriculum's difficulty, `set_epoch`, a new transform), the next
+# `iter(loader)` finds the changed attribute and restarts the workers, so that epoch loads
+# the dataset as it now is, as torch's default (non-persistent) workers would.
+# `persistent_workers=True` keeps the workers' copy instead, as torch's persistent workers do.
+# Assign new values and new arrays; a write inside an array (`data[:] = ...`) is not seen.
+
+# %%
+class Scaled(gloader.Dataset):
+    def __init__(self):
+        self.scale = 1
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, idx):
+        return idx * self.scale
+
+
+scaled = Scaled()
+with DataLoader(scaled, batch_size=4, num_workers=2) as loader:
+    for scale in (1, 10, 100):
+        scaled.scale = scale
+        print(torch.cat(list(loader)).tolist())
