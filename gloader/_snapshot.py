@@ -41,6 +41,10 @@ _OPAQUE = (np.ndarray, np.generic, torch.Tensor, type, types.ModuleType, types.F
            types.BuiltinFunctionType, types.MethodType)
 
 _LEAVES = (set, frozenset, *_OPAQUE)
+# Loaders a dataset may refer to: their state moves every epoch (the iterator in use), which is
+# no change of the dataset. Compared by identity only.
+_LOADER_MODULES = frozenset({"gloader._iterator", "gloader._engine", "gloader._pool", "torch.utils.data.dataloader"})
+_LOADER_CLASSES = frozenset({("gloader", "DataLoader"), ("gloader", "WorkerPool")})  # exported as gloader's
 
 Picture = dict[str, Any]  # path ('dataset.transform.size') -> entry
 
@@ -61,7 +65,9 @@ def _children(value: Any) -> list[tuple[str, Any]]:
         return [(f"[{i}]", item) for i, item in enumerate(value[:_MAX_ITEMS])]
     if isinstance(value, dict):
         return [(f"[{key!r:.40}]", item) for key, item in itertools.islice(value.items(), _MAX_ITEMS)]
-    if isinstance(value, _LEAVES):
+    kind = type(value)
+    if isinstance(value, _LEAVES) or kind.__module__ in _LOADER_MODULES or (kind.__module__,
+                                                                             kind.__qualname__) in _LOADER_CLASSES:
         return []
     try:
         attributes = object.__getattribute__(value, "__dict__")

@@ -44,6 +44,15 @@ def test_the_picture_does_not_see_inside_arrays() -> None:
     assert first_difference(before, picture(holder)) is None
 
 
+def test_a_dataset_that_refers_to_its_loader_does_not_change_with_each_epoch() -> None:
+    holder = _Holder()
+    with DataLoader(list(range(4)), batch_size=2) as loader:
+        holder.loader, holder.torch_loader = loader, torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+        before = picture(holder)
+        list(loader), list(holder.torch_loader)  # new iterators on both
+        assert first_difference(before, picture(holder)) is None
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("thread_pool", [False, True], ids=["processes", "threads"])
 def test_a_dataset_changed_between_epochs_is_loaded_as_changed_by_the_next_epoch(thread_pool: bool) -> None:
