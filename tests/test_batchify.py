@@ -267,6 +267,11 @@ def test_samples_of_several_dtypes_batch_through_workers_with_the_promoted_dtype
         assert [b[0].dtype for b in loader] == [torch.float32] * 2
 
 
+def test_an_array_of_the_other_byte_order_after_the_first_batches_with_its_values() -> None:
+    batch = default_batchify_fn([np.array([1.5, 2.5], "<f4"), np.array([3.5, 4.5], ">f4")])
+    assert batch.dtype == torch.float32 and batch.tolist() == [[1.5, 2.5], [3.5, 4.5]]
+
+
 def test_fields_that_cannot_become_one_tensor_say_what_they_hold() -> None:
     with pytest.raises(TypeError, match=r"numpy dtypes \['<U1', 'float64'\] into one tensor: torch has no dtype for <U1"):
         default_batchify_fn([np.array([1.5]), np.array(["a"])])
