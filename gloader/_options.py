@@ -105,7 +105,8 @@ class LoaderConfig:
                                                                          start_method)
         workers = check_non_negative_int("num_workers", num_workers)
         method = check_start_method(start_method)
-        _check_worker_options(workers, method, persistent_workers, prefetch, prefetch_factor)
+        persistent = check_flag("persistent_workers", persistent_workers, none_means=False)
+        _check_worker_options(workers, method, persistent, prefetch, prefetch_factor)
         depth = _check_prefetch(prefetch if prefetch_factor is None else
                                 check_positive_int("prefetch_factor", prefetch_factor) * workers, workers)
         timeout_s = _check_timeout(timeout)
@@ -133,10 +134,9 @@ class LoaderConfig:
                    thread_pool=thread, timeout_s=timeout_s, pin_memory=pin, pin_device_id=pin_id, device=target,
                    start_method=method, worker_init_fn=worker_init_fn, seed=given_seed, base_seed=base_seed,
                    pool=pool, progress=check_flag("progress", progress), batch_size=plan.batch_size,
-                   sampler=plan.sampler,
-                   drop_last=plan.drop_last, generator=generator,
+                   sampler=plan.sampler, drop_last=plan.drop_last, generator=generator,
                    in_order=check_flag("in_order", in_order), stream_batches=plan.stream_batches,
-                   persistent_workers=check_flag("persistent_workers", persistent_workers, none_means=False))
+                   persistent_workers=persistent)
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:
@@ -166,11 +166,9 @@ def _context_name(context: Any) -> str | None:
     return str(get())
 
 
-def _check_worker_options(workers: int, start_method: Any, persistent_workers: Any, prefetch: Any,
+def _check_worker_options(workers: int, start_method: Any, persistent_workers: bool, prefetch: Any,
                           prefetch_factor: Any) -> None:
     """Options that mean something only with workers, as torch checks them."""
-    if persistent_workers is not None:
-        check_flag("persistent_workers", persistent_workers)
     if workers == 0:
         for name, value in (("start_method (or multiprocessing_context)", start_method),
                             ("prefetch_factor", prefetch_factor), ("persistent_workers", persistent_workers or None)):

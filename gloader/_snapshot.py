@@ -65,9 +65,7 @@ def _children(value: Any) -> list[tuple[str, Any]]:
         return [(f"[{i}]", item) for i, item in enumerate(value[:_MAX_ITEMS])]
     if isinstance(value, dict):
         return [(f"[{key!r:.40}]", item) for key, item in itertools.islice(value.items(), _MAX_ITEMS)]
-    kind = type(value)
-    if isinstance(value, _LEAVES) or kind.__module__ in _LOADER_MODULES or (kind.__module__,
-                                                                             kind.__qualname__) in _LOADER_CLASSES:
+    if isinstance(value, _LEAVES) or _is_loader(value):
         return []
     try:
         attributes = object.__getattribute__(value, "__dict__")
@@ -76,6 +74,11 @@ def _children(value: Any) -> list[tuple[str, Any]]:
     if not isinstance(attributes, dict):
         return []
     return [(f".{name}", item) for name, item in itertools.islice(attributes.items(), _MAX_ATTRIBUTES)]
+
+
+def _is_loader(value: Any) -> bool:
+    kind = type(value)
+    return kind.__module__ in _LOADER_MODULES or (kind.__module__, kind.__qualname__) in _LOADER_CLASSES
 
 
 def picture(dataset: Any) -> Picture:

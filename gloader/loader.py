@@ -182,7 +182,7 @@ class DataLoader(Generic[_T_co]):
             return
         if self._engine.owns_workers:
             logger.info("%s changed since the worker processes took their copy of the dataset: restarting them "
-                        "for epoch %d", changed, self._schedule.state_dict(None, 0, False)["epoch"])
+                        "for the epoch about to start", changed)
             self._engine.stop_workers()  # batches opened ahead, from the old copy, go with them
             self._schedule.rewind_upcoming()
             return
