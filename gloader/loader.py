@@ -122,7 +122,8 @@ class DataLoader(Generic[_T_co]):
         self._id = next(_LOADER_IDS)
         self._schedule = Schedule(config.batch_sampler, config.stream, config.base_seed, config.lookahead)
         self._engine = Engine(config, self._id, functools.partial(_make_payload, config, self._schedule))
-        self._finalizer = weakref.finalize(self, self._engine.close_from_gc)
+        self._latest = _LatestIterator()
+        self._finalizer = weakref.finalize(self, _close_unreferenced, self._engine, self._latest)
         self._device = DevicePipeline(config.device) if config.device is not None else None
         self._stats = PipelineStats()
         self._iterator: EpochIterator | None = None
@@ -170,6 +171,7 @@ class DataLoader(Generic[_T_co]):
             epoch = self._schedule.open()
         self._iterator = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options,
                                        self._device)
+        self._latest.ref = weakref.ref(self._iterator)
         return self._iterator
 
     def _follow_dataset_changes(self) -> None:
@@ -295,3 +297,24 @@ class DataLoader(Generic[_T_co]):
 def _make_payload(config: LoaderConfig, schedule: Schedule, pickled: bool) -> Any:
     """What the workers register for this loader (see `_payload`)."""
     return build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, pickled)
+
+
+class _LatestIterator:
+    """A loader's newest iterator, held weakly, for the loader's finalizer."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self) -> None:
+        self.ref: weakref.ref[EpochIterator] | None = None
+
+
+def _close_unreferenced(engine: Engine, latest: _LatestIterator) -> None:
+    """A dropped loader's finalizer: its workers stop now or, while its newest iterator is still
+    in use, once that iterator is dropped too. `for batch in DataLoader(...)` and
+    `next(iter(DataLoader(...)))` keep only the iterator: the loader is collected before the
+    first batch starts the workers, which nothing would stop before exit otherwise."""
+    iterator = latest.ref() if latest.ref is not None else None
+    if iterator is not None:
+        weakref.finalize(iterator, engine.close_from_gc)
+        return
+    engine.close_from_gc()

@@ -352,6 +352,34 @@ def test_a_dropped_loader_or_pool_stops_its_workers_even_where_warnings_are_erro
     assert not leaks(before)
 
 
+@pytest.mark.parametrize("use", ["next(iter(loader))", "for loop"])
+def test_a_loader_used_only_through_its_iterator_stops_its_workers_once_the_iterator_is_dropped(use: str) -> None:
+    """`next(iter(DataLoader(...)))` and `for batch in DataLoader(...)` keep no reference to the
+    loader, only to its iterator: the loader is collected before the first batch starts the
+    workers. Those workers stopped only at exit; now they stop with the iterator."""
+    before = snapshot()
+    with pytest.warns(ResourceWarning, match="garbage-collected without close"):
+        if use == "for loop":
+            seen = [batch.tolist() for batch in DataLoader(np.arange(12), batch_size=4, num_workers=2)]
+        else:
+            seen = [next(iter(DataLoader(np.arange(12), batch_size=4, num_workers=2))).tolist()]
+        gc.collect()
+    assert seen == ([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] if use == "for loop" else [[0, 1, 2, 3]])
+    assert not leaks(before)
+
+
+def test_an_iterator_outliving_its_loader_keeps_the_workers_until_it_is_dropped() -> None:
+    before = snapshot()
+    it = iter(DataLoader(np.arange(12), batch_size=4, num_workers=2))
+    gc.collect()  # the loader is gone; its iterator still loads the epoch
+    assert [batch.tolist() for batch in it] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert len(snapshot()["children"] - before["children"]) == 2
+    with pytest.warns(ResourceWarning, match="garbage-collected without close"):
+        del it
+        gc.collect()
+    assert not leaks(before)
+
+
 def test_a_loader_inside_a_worker_process_says_its_workers_cannot_be_processes() -> None:
     with DataLoader(_data.NestedLoader(num_workers=2), batch_size=2, num_workers=1) as loader:
         with pytest.raises(RuntimeError, match=r"cannot start 2 worker processes from a daemonic process \(pid "
