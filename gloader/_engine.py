@@ -126,6 +126,7 @@ class Collected(NamedTuple):
     batch: Any
     timings: dict[str, float]
     worker_id: int
+    samples: int  # 0 for a ShardEnd
 
 
 class _Deferred:
@@ -407,7 +408,7 @@ class Engine:
                 slots.give_back(slot, None)
             if isinstance(message, WorkerFailure):
                 message.reraise(epoch)
-            return Collected(message, {}, message.worker_id)
+            return Collected(message, {}, message.worker_id, 0)
         batch = message.batch
         if slots is not None:
             self._estimate(message, batch[2])  # the handle's bytes used
@@ -416,7 +417,7 @@ class Engine:
         timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,
                    "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
                    "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - ready}
-        return Collected(batch, timings, message.worker_id)
+        return Collected(batch, timings, message.worker_id, message.samples)
 
     def _await(self, task: _Task) -> None:
         """Wait for `task`'s answers and decode them; on a failure the task leaves the window."""

@@ -155,11 +155,11 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: 
             handle, taken = writer.load_rows(dataset.__getitem__, keys, space, cursor)
             if handle is not None:
                 finished = time.monotonic()
-                return Loaded(handle, finished - started, 0.0, worker_id, started, finished)
+                return Loaded(handle, finished - started, 0.0, worker_id, started, finished, len(keys))
             samples = _fetch_rest(dataset.__getitem__, keys, taken, cursor)
         else:
             samples = _fetch_samples(dataset, keys, cursor)
     fetched = time.monotonic()
     batch = writer.write(registration.batchify_fn, samples, space)
     finished = time.monotonic()
-    return Loaded(batch, fetched - started, finished - fetched, worker_id, started, finished)
+    return Loaded(batch, fetched - started, finished - fetched, worker_id, started, finished, len(samples))

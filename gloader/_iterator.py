@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 from typing import Any
 
 from ._device import PinThread
@@ -82,11 +83,12 @@ class _StreamBatches(_HostBatches):
         super().__init__(engine, schedule, epoch, stats)
         self._timeout_s = timeout_s
         self._progress_at = time.monotonic()  # a batch arrived or a shard ended
-        self._waiting: dict[int, collections.deque[Any]] = {shard: collections.deque()
+        self._waiting: dict[int, collections.deque[tuple[Any, int]]] = {shard: collections.deque()
                                                              for shard in range(engine.shards)}
         self._live = list(range(engine.shards))  # shards still taking turns, in turn order
         self._ended: set[int] = set()  # shards whose worker reported the end
         self._turn = 0  # index into _live
+        self.samples_out = 0  # samples in the batches handed out so far
 
     def next(self) -> Any:
         while self._live:
@@ -94,7 +96,9 @@ class _StreamBatches(_HostBatches):
             shard = self._live[self._turn]
             if self._waiting[shard]:
                 self._turn += 1
-                return self._waiting[shard].popleft()
+                batch, samples = self._waiting[shard].popleft()
+                self.samples_out += samples
+                return batch
             if shard in self._ended:
                 self._live.pop(self._turn)  # the next shard takes this turn
                 if not self._live:
@@ -106,7 +110,7 @@ class _StreamBatches(_HostBatches):
                 continue
             done = max(got.worker_id, 0)  # in-process loading is shard 0
             if not isinstance(got.batch, ShardEnd):
-                self._waiting[done].append(got.batch)
+                self._waiting[done].append((got.batch, got.samples))
                 self._progress_at = time.monotonic()
             elif done not in self._ended:
                 self._ended.add(done)
@@ -152,6 +156,9 @@ class EpochIterator:
         self._bar = ProgressBar(epoch.number, epoch.remaining) if config.progress else None
         self._config = config
         self._pinner: PinThread | None = None  # started by the first next(): a probe iter() fetches nothing
+        # A stream's len(dataset) once the caller has taken len(loader) (None before): more
+        # samples than that are worth a warning (see _check_reported_length).
+        self.reported_samples: int | None = None
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -186,10 +193,26 @@ class EpochIterator:
             self.yielded += 1  # a batch that raised is consumed: resume starts after it
             raise
         self.yielded += 1
+        if self.reported_samples is not None and isinstance(self._host, _StreamBatches) \
+                and self._host.samples_out > self.reported_samples:
+            self._warn_past_reported_length(self._host.samples_out)
         self._stats.record_wait(self.epoch.number, asked, time.perf_counter() - asked)
         if self._bar is not None:
             self._bar.update(self._stats.wait_fraction(self.epoch.number))
         return batch
+
+    def _warn_past_reported_length(self, samples: int) -> None:
+        """Warn, once an epoch, that a stream gives more samples than len(dataset) said, as
+        torch's DataLoader does once len(loader) was taken: code that trusts the length (a
+        progress bar, an LR schedule) goes wrong, and with workers the usual cause is an
+        IterableDataset that every worker reads whole."""
+        reported, self.reported_samples = self.reported_samples, None
+        workers = self._config.num_workers
+        cause = (f" With num_workers={workers}, each worker iterates the whole dataset unless its __iter__ takes "
+                 "its own share (see gloader.get_worker_info()), so every sample comes num_workers times."
+                 if workers > 1 else "")
+        warnings.warn(f"len(loader) was taken from len(dataset)={reported}, but epoch {self.epoch.number} has "
+                      f"delivered {samples} samples by its batch {self.yielded}.{cause}", UserWarning, stacklevel=3)
 
     def _host_batch(self) -> Any:
         if not self._config.pin_memory:

@@ -48,6 +48,7 @@ class Loaded(NamedTuple):
     worker_id: int
     started: float  # time.monotonic() when the worker began and finished the batch: one clock
     finished: float  # for every process on the machine, so the caller can time the hops
+    samples: int  # how many samples it holds (a stream's caller counts them against len(dataset))
 
 
 class ShardEnd(NamedTuple):

@@ -127,6 +127,7 @@ class DataLoader(Generic[_T_co]):
         self._device = DevicePipeline(config.device) if config.device is not None else None
         self._stats = PipelineStats()
         self._iterator: EpochIterator | None = None
+        self._stream_length_taken = False  # len(loader) was taken over an IterableDataset
         self._closed = False
         if config.pin_memory:
             warn_if_cannot_pin()
@@ -172,6 +173,8 @@ class DataLoader(Generic[_T_co]):
         self._iterator = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options,
                                        self._device)
         self._latest.ref = weakref.ref(self._iterator)
+        if self._stream_length_taken:
+            self._iterator.reported_samples = len(self._options.dataset)
         return self._iterator
 
     def _follow_dataset_changes(self) -> None:
@@ -206,6 +209,9 @@ class DataLoader(Generic[_T_co]):
             if self._options.stream_batches is None:
                 raise TypeError("a DataLoader over an IterableDataset has no length: the stream decides when "
                                 "it ends (give the dataset __len__ for torch's estimate)")
+            self._stream_length_taken = True  # epochs that outrun it warn from now on (see EpochIterator)
+            if self._iterator is not None and not self._iterator.finished:
+                self._iterator.reported_samples = len(self._options.dataset)
             return self._options.stream_batches
         length = self._schedule.length(self._served()[0], self._served()[2])
         if length is None:

@@ -364,6 +364,19 @@ class SizedTorchStream(TorchShardedStream):
         return self.length
 
 
+class UnshardedSizedStream(torch.utils.data.IterableDataset):
+    """A stream with __len__ whose __iter__ ignores the worker: each worker yields all of it."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Any:
+        return iter(range(self.length))
+
+
 class BatchedFetch(gloader.Dataset):
     """Sample k is (k, how many keys the call that fetched it asked for)."""
 

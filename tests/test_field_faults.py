@@ -257,7 +257,7 @@ def test_a_stream_epoch_whose_shard_never_answers_times_out_instead_of_spinning(
             next_job()
 
         def collect(self, epoch: int) -> Collected:
-            return Collected(ShardEnd(0), {}, 0)
+            return Collected(ShardEnd(0), {}, 0, 0)
 
         def discard(self, epoch: int) -> None:
             self.discarded.append(epoch)

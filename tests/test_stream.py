@@ -1,6 +1,8 @@
 """IterableDataset: each worker iterates its own shard; every element once per epoch."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -74,3 +76,29 @@ def test_failing_worker_init_fn_is_reported_with_its_type_for_streams() -> None:
         with pytest.raises(PermissionError, match="cannot open the database") as info:
             next(iter(loader))
     assert "worker_init_fn raised" in "\n".join(info.value.__notes__)
+
+
+def test_a_stream_that_outruns_its_reported_length_warns_once_an_epoch_after_len_was_taken() -> None:
+    """torch's rule: code that took len(loader) trusts it; with workers, the usual cause of
+    more batches is an IterableDataset that every worker reads whole."""
+    with DataLoader(_data.UnshardedSizedStream(6), batch_size=2, num_workers=2) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert len([batch for batch in loader]) == 6  # each worker's 3; no len() taken (list() takes it)
+        assert len(loader) == 3
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert len([batch for batch in loader]) == 6
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "len(loader) was taken from len(dataset)=6, but epoch 1 has delivered 8 samples by its batch 4" \
+        in messages[0] and "num_workers=2, each worker iterates the whole dataset" in messages[0]
+    # Streams that keep to their length never warn, though shards' short last batches can make
+    # more batches than len(loader) (4 here: each worker's 3 samples in batches of 2).
+    for mode in ({"num_workers": 0}, {"num_workers": 2}):
+        dataset = _data.UnshardedSizedStream(6) if mode["num_workers"] == 0 else _data.SizedTorchStream(6)
+        with DataLoader(dataset, batch_size=2, **mode) as loader, warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert len(loader) == 3
+            for _ in range(2):
+                assert sorted(torch.cat([batch for batch in loader]).tolist()) == list(range(6))
