@@ -28,6 +28,12 @@ def write_status(text: str, last: bool) -> None:
     sys.stderr.flush()
 
 
+# How many epochs `stats()` lists one by one; older ones count only in the total. Each costs
+# ~0.7 KB, so code that starts an epoch per step (`next(iter(loader))` in a training loop)
+# grew by that much a step; more: a longer listing, and more memory.
+_LISTED_EPOCHS = 64
+
+
 # A batch's hops, in order, as the engine times them: dispatch_s (queued until a worker began
 # it: the pool's task thread, the pipe, waiting for a free worker), worker_fetch_s and
 # worker_batchify_s (in the worker), return_s (the result's trip back: encoding, the pipe, the
@@ -58,14 +64,28 @@ class PipelineStats:
     fetched (the pin thread, when there is one), the wait where the caller waits; hence the lock."""
 
     def __init__(self) -> None:
-        self.epochs: dict[int, EpochStats] = {}
+        self.epochs: dict[int, EpochStats] = {}  # the latest _LISTED_EPOCHS
+        self._earlier = EpochStats()  # the epochs listed no more, summed (its wall in _earlier_wall_s)
+        self._earlier_wall_s = 0.0
         self._lock = threading.Lock()
 
     def _epoch(self, epoch: int) -> EpochStats:
         stats = self.epochs.get(epoch)
         if stats is None:  # the epoch's clock starts when the caller first asks (record_wait)
             stats = self.epochs[epoch] = EpochStats(started=math.inf)
+            if len(self.epochs) > _LISTED_EPOCHS:
+                self._retire(min(self.epochs))
         return stats
+
+    def _retire(self, epoch: int) -> None:
+        """Fold an epoch into the total of the epochs no longer listed."""
+        stats = self.epochs.pop(epoch)
+        earlier = self._earlier
+        earlier.batches += stats.batches
+        earlier.waited_s += stats.waited_s
+        for hop, seconds in stats.hops.items():
+            earlier.hops[hop] += seconds
+        self._earlier_wall_s += stats.as_dict()["wall_s"]
 
     def record_work(self, epoch: int, timings: dict[str, float]) -> None:
         """Add the hop timings of one batch of `epoch`."""
@@ -93,14 +113,14 @@ class PipelineStats:
             return self._snapshot(in_flight, shared_memory_bytes)
 
     def _snapshot(self, in_flight: int, shared_memory_bytes: int) -> dict[str, Any]:
-        total = EpochStats()
+        total = dataclasses.replace(self._earlier, hops=dict(self._earlier.hops))
         for stats in self.epochs.values():
             total.batches += stats.batches
             total.waited_s += stats.waited_s
             for hop, seconds in stats.hops.items():
                 total.hops[hop] += seconds
         overall = total.as_dict()
-        wall = sum(s.as_dict()["wall_s"] for s in self.epochs.values())
+        wall = self._earlier_wall_s + sum(s.as_dict()["wall_s"] for s in self.epochs.values())
         overall.update(wall_s=wall, wait_fraction=total.waited_s / wall if wall else 0.0,
                        batches_per_s=total.batches / wall if wall else 0.0)
         return {"epochs": {epoch: s.as_dict() for epoch, s in sorted(self.epochs.items())}, "total": overall,

@@ -277,7 +277,8 @@ class DataLoader(Generic[_T_co]):
         """Return where loading time goes, per epoch and overall.
 
         Returns:
-            {"epochs": {epoch: timings}, "total": timings, "in_flight": batches dispatched and
+            {"epochs": {epoch: timings} (the latest 64 epochs; "total" counts all), "total":
+            timings, "in_flight": batches dispatched and
             not yet handed over, "shared_memory_bytes": mapped by this loader}. Timings (in
             seconds) are: `batches`, `wall_s` (first batch requested to last handed over),
             `waited_s` (time the caller spent waiting for batches), `wait_fraction` (near 1:

@@ -31,6 +31,23 @@ def test_stats_count_batches_and_split_time_per_epoch(mode: dict) -> None:
         assert stats["shared_memory_bytes"] > 0
 
 
+def test_stats_list_the_latest_epochs_and_count_all_in_the_total() -> None:
+    """Code that starts an epoch per step (`next(iter(loader))`) made one entry a step, kept
+    forever (~0.7 KB each); older epochs now count only in the total."""
+    from gloader._stats import _LISTED_EPOCHS
+
+    with DataLoader(np.arange(64, dtype=np.float32), batch_size=8) as loader:
+        list(loader)
+        first = loader.stats()["epochs"][0]
+        for _ in range(_LISTED_EPOCHS + 36):
+            next(iter(loader))
+        stats = loader.stats()
+    assert list(stats["epochs"]) == list(range(37, _LISTED_EPOCHS + 37))
+    assert stats["total"]["batches"] == 8 + _LISTED_EPOCHS + 36
+    assert stats["total"]["wall_s"] >= first["wall_s"] + sum(e["wall_s"] for e in stats["epochs"].values())
+    assert stats["total"]["worker_fetch_s"] >= first["worker_fetch_s"]
+
+
 def test_stats_show_an_input_bound_loader() -> None:
     with DataLoader(_data.SlowEverySample(0.02, length=8), batch_size=2, num_workers=1) as slow:
         list(slow)
