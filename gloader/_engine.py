@@ -233,7 +233,7 @@ class _Task:
     """Consecutive batches of one epoch dispatched as one task: their jobs, the slot lent to
     them, the task's result and, once it has arrived, the answers not yet collected."""
 
-    __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "taken")
+    __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "taken", "waited_since")
 
     def __init__(self, jobs: list[Job], slot: Slot | None) -> None:
         self.jobs = jobs
@@ -246,6 +246,7 @@ class _Task:
         self.arrived = [0.0]
         self.answers: list[Any] | None = None  # decoded once the caller has waited for them
         self.taken = 0  # batches already collected
+        self.waited_since: float | None = None  # when the caller began waiting for it (its deadline runs from there)
 
     @property
     def epoch(self) -> int:
@@ -292,6 +293,7 @@ class Engine:
         self._ramp = 1  # the most batches its next task may carry (see _TASK_TARGET_S)
         self._forked_from: int | None = None  # the pid whose workers this process inherited by fork
         self._dataset_picture: Picture | None = None  # the dataset when worker processes took their copy
+        self.reordered_epoch: int | None = None  # the latest epoch a batch was collected ahead of an older one
 
     @property
     def in_flight(self) -> int:
@@ -382,7 +384,8 @@ class Engine:
             self._tasks.append(task)
 
     def collect(self, epoch: int) -> Collected | None:
-        """Wait for the oldest batch in flight if it belongs to `epoch` (None otherwise).
+        """Wait for the oldest batch in flight if it belongs to `epoch` (None otherwise); with
+        `in_order=False`, take a batch of `epoch` that finished while the oldest has not.
 
         Re-raises a worker's exception as its own type; raises `WorkerExitedError` or
         `BatchTimeoutError` (after stopping the workers) rather than wait unbounded.
@@ -392,12 +395,21 @@ class Engine:
         self._reap_discarded()
         task = self._tasks[0]
         if task.answers is None:
-            self._await(task)
+            if self._config.in_order or self._config.stream is not None or len(self._tasks) == 1:
+                self._await(task)
+            else:  # a finished task of the epoch goes first, while the oldest is still out
+                task = self._finished_task(epoch) or task
+                if task.answers is None and not self._await(task, lambda: self._finished_task(epoch) is not None):
+                    task = self._finished_task(epoch) or task  # one finished while waiting
+                    if task.answers is None:
+                        self._await(task)
         assert task.answers is not None
+        if task is not self._tasks[0]:
+            self.reordered_epoch = epoch
         position = task.taken
         task.taken += 1
         if task.taken == len(task.jobs):
-            self._tasks.popleft()
+            self._tasks.remove(task)
         ready = time.monotonic()
         message = task.answers[position]
         task.answers[position] = None  # the batch is the caller's now
@@ -419,16 +431,30 @@ class Engine:
                    "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - ready}
         return Collected(batch, timings, message.worker_id, message.samples)
 
-    def _await(self, task: _Task) -> None:
-        """Wait for `task`'s answers and decode them; on a failure the task leaves the window."""
+    def _finished_task(self, epoch: int) -> _Task | None:
+        """The first task of `epoch` in the window whose answers are in (in_order=False)."""
+        for task in self._tasks:
+            if task.epoch != epoch:
+                return None
+            if task.answers is not None or task.result.ready():
+                if task.answers is None:
+                    self._await(task)
+                return task
+        return None
+
+    def _await(self, task: _Task, give_up: Callable[[], bool] | None = None) -> bool:
+        """Wait for `task`'s answers and decode them; on a failure the task leaves the window.
+        False, with nothing decoded, when `give_up()` turned true first (checked between waits)."""
         try:
             # Every wait reads the exit codes (~2 us), so a worker that died while idle, whose
             # task the pool gave to its replacement, is reported too, at the caller's next wait.
             self._check_workers(task)
-            self._wait(task)
+            if not self._wait(task, give_up):
+                return False
             task.answers = decode_answers(task.result.get(0))  # in-process loading loads the batch here
+            return True
         except (WorkerExitedError, BatchTimeoutError) as exc:
-            self._tasks.popleft()
+            self._tasks.remove(task)
             self._discarded.append(task)
             backend = self._backend
             if isinstance(exc, BatchTimeoutError) and isinstance(backend, _OnPool) and not backend.owns_core:
@@ -437,7 +463,7 @@ class Engine:
             self.stop_workers(prompt=True)
             raise
         except BaseException:  # Ctrl-C: the task is not ours any more
-            self._tasks.popleft()
+            self._tasks.remove(task)
             self._discarded.append(task)
             raise
 
@@ -448,17 +474,21 @@ class Engine:
         self._batch_cost_s += (cost - self._batch_cost_s) * (_ESTIMATE_WEIGHT if self._batch_cost_s else 1.0)
         self._batch_bytes += (size - self._batch_bytes) * (_ESTIMATE_WEIGHT if self._batch_bytes else 1.0)
 
-    def _wait(self, task: _Task) -> None:
-        started = time.perf_counter()
-        deadline = time.monotonic() + self._config.timeout_s
+    def _wait(self, task: _Task, give_up: Callable[[], bool] | None = None) -> bool:
+        """Wait until `task`'s result is ready (True) or `give_up()` is true (False)."""
+        if task.waited_since is None:
+            task.waited_since = time.monotonic()
+        deadline = task.waited_since + self._config.timeout_s
         result = task.result
         while not result.ready():
             result.wait(_POLL_S)
             if result.ready():
-                return
+                return True
             self._check_workers(task)
+            if give_up is not None and give_up():
+                return False
             if time.monotonic() > deadline:
-                elapsed = time.perf_counter() - started
+                elapsed = time.monotonic() - task.waited_since
                 job = task.next_job
                 what = f"batch {job.number}" if len(task.jobs) == 1 else \
                     f"batches {job.number}-{task.jobs[-1].number}, loaded as one task,"
@@ -466,6 +496,7 @@ class Engine:
                                         f"{elapsed:.1f} s, the loader's timeout={self._config.timeout_s:g}; "
                                         "raise timeout= if batches are legitimately slow, or look for a "
                                         "hang in the dataset")
+        return True
 
     def _check_workers(self, task: _Task) -> None:
         """Raise WorkerExitedError when a worker process has died since the last check."""

@@ -87,7 +87,10 @@ class DataLoader(Generic[_T_co]):
             them restarted at an epoch's start when the dataset changed since they took their
             copy (torch's default workers start afresh every epoch); True keeps their copy for
             the loader's life, as torch's persistent workers do.
-        in_order: accepted for torch code; batches always come in sampler order.
+        in_order: False lets a batch that is ready go ahead of an older one still loading
+            (torch's meaning), so one slow batch does not hold back the ones behind it; the
+            batches themselves (samples, seeds) are the same. Map-style datasets only: a
+            stream's shards always take turns. True (default): sampler order.
 
     With `batch_size=None` (torch's unbatched mode) each sample is its own batch, converted
     as torch's `default_convert` does (or passed to `collate_fn`). With `seed=None` the seed is
@@ -149,7 +152,7 @@ class DataLoader(Generic[_T_co]):
     persistent_workers = _FromConfig("persistent_workers", "As given (False by default). Workers persist either way; "
                                                            "True also keeps their copy of the dataset, unchanged.")
     multiprocessing_context = _FromConfig("start_method", "The start method of the worker processes.")
-    in_order = _FromConfig("in_order", "Batches are always yielded in sampler order.")
+    in_order = _FromConfig("in_order", "Whether batches come in sampler order (False: a ready batch may go first).")
 
     @property
     def batch_sampler(self) -> Any:
@@ -229,11 +232,17 @@ class DataLoader(Generic[_T_co]):
 
         Raises:
             TypeError: for an IterableDataset, which has no positions to resume from.
+            ValueError: in the middle of an epoch that `in_order=False` served out of order.
         """
         if self._options.stream is not None:
             raise TypeError("state_dict needs a map-style dataset; an IterableDataset stream has no "
                             "positions to resume from")
-        return self._schedule.state_dict(*self._served())
+        served = self._served()
+        if served[0] is not None and not served[2] and self._engine.reordered_epoch == served[0].number:
+            raise ValueError(f"state_dict() in the middle of epoch {served[0].number}, which in_order=False served "
+                             "out of order: a position cannot say which of its batches you have; take it "
+                             "between epochs, or use in_order=True")
+        return self._schedule.state_dict(*served)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (made by `state_dict`): the next iteration yields exactly the

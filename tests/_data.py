@@ -531,6 +531,24 @@ class Scaled(gloader.Dataset):
         return idx * self.scale
 
 
+class HeldBack(gloader.Dataset):
+    """Sample `held` waits until the caller sets `release` (a straggler whose end the test
+    decides); every sample is its own index. Fork workers and threads (the event is inherited)."""
+
+    def __init__(self, length: int, held: int) -> None:
+        self.length = length
+        self.held = held
+        self.release = multiprocess.get_context("fork").Event()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> int:
+        if idx == self.held and not self.release.wait(30):
+            raise TimeoutError(f"sample {idx} was never released")
+        return idx
+
+
 class MeetAtBarrier(gloader.Dataset):
     """Every sample waits until all `parties` samples are being loaded at once (as torch's
     test_worker_seed makes its workers do); returns the loading pid. Fork workers only (the

@@ -253,3 +253,22 @@ def test_a_growing_dataset_is_followed_by_torchs_sampler_and_not_by_the_loaders_
     dataset.length = 6
     assert len(own) == 2 and sorted(torch.cat(list(own)).tolist()) == [0, 1, 2, 3]
     assert len(torchs) == 3 and sorted(torch.cat(list(torchs)).tolist()) == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("mode", [{"num_workers": 2}, {"num_workers": 2, "thread_pool": True}],
+                         ids=["processes", "threads"])
+def test_in_order_false_lets_ready_batches_go_ahead_of_a_slow_one(mode: dict) -> None:
+    """torch's meaning: batch 0's first sample is released only once the caller holds three
+    other batches, which in sampler order it could never get (the loader would time out)."""
+    dataset = _data.HeldBack(12, held=0)
+    with DataLoader(dataset, batch_size=2, timeout=30, in_order=False, **mode) as loader:
+        it = iter(loader)
+        got = [next(it).tolist() for _ in range(3)]
+        with pytest.raises(ValueError, match="epoch 0, which in_order=False served out of order"):
+            loader.state_dict()
+        dataset.release.set()
+        got += [batch.tolist() for batch in it]
+        assert loader.state_dict()["epoch"] == 1  # between epochs a position is exact again
+        again = [batch.tolist() for batch in loader]  # released now: nothing waits, same batches
+    assert [0, 1] not in got[:3]
+    assert sorted(got) == sorted(again) == [[i, i + 1] for i in range(0, 12, 2)]
