@@ -164,6 +164,8 @@ class PinThread:
             except queue.Empty:
                 waited += _PIN_POLL_S
                 if not self._thread.is_alive() and self._queue.empty():
+                    if self._stopping.is_set():  # stopped under its iterator: the loader was closed at exit
+                        raise RuntimeError("this DataLoader is closed; create a new one") from None
                     raise StopIteration from None
                 if waited > self._timeout_s + _PIN_STOP_S:
                     raise TimeoutError(f"the pin thread produced no batch for {waited:.1f} s") from None

@@ -36,6 +36,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
 from ._mppool import ATOMIC_TASK_BYTES
@@ -294,6 +295,8 @@ class Engine:
         self._forked_from: int | None = None  # the pid whose workers this process inherited by fork
         self._dataset_picture: Picture | None = None  # the dataset when worker processes took their copy
         self.reordered_epoch: int | None = None  # the latest epoch a batch was collected ahead of an older one
+        self._closed = False  # close() ran: no workers start again
+        self._helpers: weakref.WeakSet[Any] = weakref.WeakSet()  # threads fetching through this engine
 
     @property
     def in_flight(self) -> int:
@@ -310,6 +313,8 @@ class Engine:
             raise RuntimeError(f"this DataLoader's workers belong to process {self._forked_from}, from which this "
                                "process was forked; make a new DataLoader here")
         if self._backend is None:
+            if self._closed:
+                raise RuntimeError("this DataLoader is closed; create a new one")
             self._backend = _start(self._config, self._loader_id, self._make_payload)
             if isinstance(self._backend, _OnPool) and not self._config.thread_pool \
                     and not self._config.persistent_workers:  # torch's persistent workers keep their copy
@@ -575,7 +580,19 @@ class Engine:
         backend.close(drain, prompt)
         self._discarded = []
 
-    close = stop_workers
+    def attach(self, helper: Any) -> None:
+        """Have `close()` first call `helper.stop()` (a pin thread, which fetches through this
+        engine from its own thread; held weakly)."""
+        self._helpers.add(helper)
+
+    def close(self) -> None:
+        """Stop the attached helpers, then the workers, for good: a later `fill` raises
+        instead of starting new ones. The exit hook closes engines, not iterators: a pin
+        thread still fetching raced the stop and started a new pool during shutdown."""
+        self._closed = True
+        for helper in list(self._helpers):
+            helper.stop()
+        self.stop_workers()
 
     def forget_after_fork(self) -> None:
         """In a forked child: the workers, the tasks in flight and the shared memory are the

@@ -219,6 +219,7 @@ class EpochIterator:
             return self._host.next()
         if self._pinner is None:
             self._pinner = PinThread(self, self._config.pin_device_id, self._config.timeout_s)
+            self._engine.attach(self._pinner)
         return self._pinner.take()
 
     def _next_batch(self) -> Any:

@@ -368,6 +368,23 @@ def test_a_loader_used_only_through_its_iterator_stops_its_workers_once_the_iter
     assert not leaks(before)
 
 
+def test_a_pin_thread_starts_no_workers_once_the_exit_hook_closed_the_loader() -> None:
+    """The exit hook closes each loader's engine, not its iterator: a pin thread still fetching
+    started a new pool during interpreter shutdown (a ResourceWarning at every exit)."""
+    before = snapshot()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # without CUDA pinning is a no-op; the thread still runs
+        loader = DataLoader(np.arange(40), batch_size=4, num_workers=2, pin_memory=True)
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1, 2, 3]
+    loader._engine.close()  # what the exit hook does to every loader still open
+    with pytest.raises(RuntimeError, match="this DataLoader is closed"):
+        for _ in it:  # the batches the pin thread fetched ahead, then no new workers
+            pass
+    assert not leaks(before)
+    loader.close()
+
+
 def test_an_iterator_outliving_its_loader_keeps_the_workers_until_it_is_dropped() -> None:
     before = snapshot()
     it = iter(DataLoader(np.arange(12), batch_size=4, num_workers=2))
