@@ -10,8 +10,11 @@ DESIGN.md's traps). Imports nothing of gloader's: both sides use it. The flow is
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import io
 import pickle
+import sys
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -131,15 +134,76 @@ class WorkerFailure(NamedTuple):
 
 
 def encode(message: Any) -> bytes:
-    """Encode an answer for the caller: stdlib pickle, dill only when a value needs it
-    (objects defined in `__main__`, lambdas inside a batch)."""
+    """Encode an answer for the caller: stdlib pickle; where that fails, stdlib pickle that
+    also finds classes held as attributes of a module's classes (`_NestedClassPickler`); dill
+    only when a value needs it (lambdas, local classes inside a batch)."""
     try:
         return b"P" + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        pass
+    try:
+        buffer = io.BytesIO()
+        _NestedClassPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+        return b"P" + buffer.getvalue()
     except Exception:
         import dill
 
         data: bytes = dill.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         return b"D" + data
+
+
+class _NestedClassPickler(pickle.Pickler):
+    """Saves a class that its qualified name does not find (a namedtuple made in a class body
+    is named `Batch`, not `Dataset.Batch`) as an attribute of the module-level class holding
+    it, so the caller gets the same class back: dill would send a copy of it, and the
+    caller's `isinstance(batch, Dataset.Batch)` would be False."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type) and not _found_by_name(obj):
+            held = _holding_class(obj)
+            if held is not None:
+                owner, name = held
+                return _nested_class, (_caller_module(owner.__module__), owner.__qualname__, name)
+        return NotImplemented
+
+
+def _nested_class(module: str, owner: str, name: str) -> Any:
+    """The caller's side of `_NestedClassPickler`: `module.owner.name`."""
+    return getattr(getattr(importlib.import_module(module), owner), name)
+
+
+def _caller_module(name: str) -> str:
+    """A spawned worker runs the caller's main script as `__mp_main__`: it is `__main__` there."""
+    return "__main__" if name == "__mp_main__" else name
+
+
+def _found_by_name(cls: type) -> bool:
+    found: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
+
+
+@functools.lru_cache(maxsize=64)  # asked again for every batch that holds the class
+def _holding_class(cls: type) -> tuple[type, str] | None:
+    """(module-level class, attribute name) holding `cls`, searched in `cls`'s module: the
+    class itself, or else a class of its name and fields (a spawned worker's copy of a class
+    from the caller's `__main__` holds a copy of it, not the one its `__main__` defines)."""
+    module = sys.modules.get(cls.__module__)  # in a spawned worker, "__main__" is the caller's script
+    owners = [owner for owner in (list(vars(module).values()) if module is not None else [])
+              if isinstance(owner, type) and owner is not cls and _found_by_name(owner)]
+    for by_identity in (True, False):
+        for owner in owners:
+            for name, value in list(vars(owner).items()):
+                if value is cls if by_identity else _alike(value, cls):
+                    return owner, name
+    return None
+
+
+def _alike(value: Any, cls: type) -> bool:
+    return (isinstance(value, type) and value.__qualname__ == cls.__qualname__
+            and _caller_module(value.__module__) == _caller_module(cls.__module__)
+            and getattr(value, "_fields", None) == getattr(cls, "_fields", None))
 
 
 def decode(data: bytes) -> Any:

@@ -308,6 +308,19 @@ class NamedSamples(gloader.Dataset):
         return Point(np.full(2, idx, dtype=np.float32), idx)
 
 
+class NestedNamedSamples(gloader.Dataset):
+    """As NamedSamples, with the namedtuple made in the class body, as torch's tests write it:
+    its __qualname__ is "Sample", which names nothing in this module."""
+
+    Sample = collections.namedtuple("Sample", ["image", "label"])
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, idx: int) -> Any:
+        return self.Sample(np.full(2, idx, dtype=np.float32), idx)
+
+
 class TextRows(gloader.Dataset):
     """Rows as a HuggingFace table in numpy format gives them: numpy string and int scalars."""
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import collections.abc
 import re
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -186,6 +189,46 @@ def test_namedtuple_batches_cross_process_workers_as_namedtuples(num_workers: in
         batches = list(loader)
     assert all(type(b) is _data.Point for b in batches)
     assert batches[1].label.tolist() == [4, 5, 6, 7] and batches[1].image[:, 0].tolist() == [4, 5, 6, 7]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True},
+                                  {"num_workers": 1, "start_method": "spawn"}], ids=["inline", "fork", "threads", "spawn"])
+@pytest.mark.parametrize("batch_size", [4, None], ids=["batched", "unbatched"])
+def test_a_namedtuple_made_in_a_class_body_comes_back_as_that_class(mode: dict, batch_size: int | None) -> None:
+    """Its qualified name finds nothing, so the stdlib pickler refused it and dill sent a copy of
+    the class: `isinstance(batch, Dataset.Sample)` was False with process workers."""
+    with DataLoader(_data.NestedNamedSamples(), batch_size=batch_size, **mode) as loader:
+        batches = list(loader)
+    assert all(type(b) is _data.NestedNamedSamples.Sample for b in batches)
+    assert torch.cat([torch.as_tensor(b.label).reshape(-1) for b in batches]).tolist() == list(range(8))
+
+
+@pytest.mark.timeout(120)
+def test_a_class_body_namedtuple_of_a_main_script_comes_back_through_spawned_workers(tmp_path: Any) -> None:
+    """A spawned worker runs the script as `__mp_main__` and holds a copy of the dataset's
+    class: the namedtuple it makes is found by name and fields, and sent as `__main__`'s."""
+    script = tmp_path / "main.py"
+    script.write_text(textwrap.dedent("""
+        import collections
+        import gloader
+
+        class Rows(gloader.Dataset):
+            Row = collections.namedtuple("Row", ["value"])
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, idx):
+                return self.Row(idx)
+
+        if __name__ == "__main__":
+            with gloader.DataLoader(Rows(), batch_size=2, num_workers=1, start_method="spawn") as loader:
+                batches = list(loader)
+            print(all(type(b) is Rows.Row for b in batches), [b.value.tolist() for b in batches])
+        """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0 and done.stdout.strip() == "True [[0, 1], [2, 3]]", done.stderr[-3000:]
 
 
 def test_any_sequence_sample_is_transposed_into_a_list_of_fields() -> None:
