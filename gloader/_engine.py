@@ -400,7 +400,7 @@ class Engine:
         self._reap_discarded()
         task = self._tasks[0]
         if task.answers is None:
-            if self._config.in_order or self._config.stream is not None or len(self._tasks) == 1:
+            if self._config.in_order or len(self._tasks) == 1:
                 self._await(task)
             else:  # a finished task of the epoch goes first, while the oldest is still out
                 task = self._finished_task(epoch) or task

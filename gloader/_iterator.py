@@ -76,12 +76,14 @@ class _HostBatches:
 class _StreamBatches(_HostBatches):
     """A stream epoch's batches in a fixed order whatever the timing: each worker answers from
     its own shard, and the shards take turns (shard 0's first batch, shard 1's first, ...,
-    skipping ended shards), as torch's DataLoader orders them."""
+    skipping ended shards), as torch's DataLoader orders them. With `in_order=False`, a shard
+    whose turn it is and that has nothing ready lets another shard's ready batch go first."""
 
     def __init__(self, engine: Engine, schedule: Schedule, epoch: Epoch, stats: PipelineStats,
-                 timeout_s: float) -> None:
+                 timeout_s: float, in_order: bool) -> None:
         super().__init__(engine, schedule, epoch, stats)
         self._timeout_s = timeout_s
+        self._in_order = in_order
         self._progress_at = time.monotonic()  # a batch arrived or a shard ended
         self._waiting: dict[int, collections.deque[tuple[Any, int]]] = {shard: collections.deque()
                                                              for shard in range(engine.shards)}
@@ -96,9 +98,10 @@ class _StreamBatches(_HostBatches):
             shard = self._live[self._turn]
             if self._waiting[shard]:
                 self._turn += 1
-                batch, samples = self._waiting[shard].popleft()
-                self.samples_out += samples
-                return batch
+                return self._hand_out(shard)
+            ready = None if self._in_order else next((other for other in self._live if self._waiting[other]), None)
+            if ready is not None:  # the turn stays with the shard that has nothing yet
+                return self._hand_out(ready)
             if shard in self._ended:
                 self._live.pop(self._turn)  # the next shard takes this turn
                 if not self._live:
@@ -119,6 +122,11 @@ class _StreamBatches(_HostBatches):
                 self._no_progress(shard)
         self._engine.discard(self._epoch.number)  # tasks still out can only answer "shard ended"
         raise StopIteration
+
+    def _hand_out(self, shard: int) -> Any:
+        batch, samples = self._waiting[shard].popleft()
+        self.samples_out += samples
+        return batch
 
     def _no_progress(self, shard: int) -> None:
         self.ended = True
@@ -148,7 +156,8 @@ class EpochIterator:
         self._engine = engine
         self._stats = stats
         self._device = device
-        self._host = (_StreamBatches(engine, schedule, epoch, stats, config.timeout_s) if config.stream is not None
+        self._host = (_StreamBatches(engine, schedule, epoch, stats, config.timeout_s, config.in_order)
+                      if config.stream is not None
                       else _HostBatches(engine, schedule, epoch, stats))
         self._ahead: Any = None
         self._ahead_error: BaseException | None = None

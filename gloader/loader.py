@@ -89,8 +89,9 @@ class DataLoader(Generic[_T_co]):
             the loader's life, as torch's persistent workers do.
         in_order: False lets a batch that is ready go ahead of an older one still loading
             (torch's meaning), so one slow batch does not hold back the ones behind it; the
-            batches themselves (samples, seeds) are the same. Map-style datasets only: a
-            stream's shards always take turns. True (default): sampler order.
+            batches themselves (samples, seeds) are the same. For a stream, a shard with
+            nothing ready lets the others' batches go first. True (default): sampler order
+            (for a stream, the shards take turns).
 
     With `batch_size=None` (torch's unbatched mode) each sample is its own batch, converted
     as torch's `default_convert` does (or passed to `collate_fn`). With `seed=None` the seed is

@@ -562,6 +562,23 @@ class HeldBack(gloader.Dataset):
         return idx
 
 
+class HeldBackStream(torch.utils.data.IterableDataset):
+    """Shard i yields i, i + num_workers, ...; shard `held` starts only once the caller sets
+    `release`. Fork workers only (the event is inherited)."""
+
+    def __init__(self, length: int, held: int) -> None:
+        self.length = length
+        self.held = held
+        self.release = multiprocess.get_context("fork").Event()
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        if start == self.held and not self.release.wait(30):
+            raise TimeoutError(f"shard {start} was never released")
+        return iter(range(start, self.length, step))
+
+
 class MeetAtBarrier(gloader.Dataset):
     """Every sample waits until all `parties` samples are being loaded at once (as torch's
     test_worker_seed makes its workers do); returns the loading pid. Fork workers only (the

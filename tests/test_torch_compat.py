@@ -272,3 +272,16 @@ def test_in_order_false_lets_ready_batches_go_ahead_of_a_slow_one(mode: dict) ->
         again = [batch.tolist() for batch in loader]  # released now: nothing waits, same batches
     assert [0, 1] not in got[:3]
     assert sorted(got) == sorted(again) == [[i, i + 1] for i in range(0, 12, 2)]
+
+
+def test_in_order_false_lets_a_streams_ready_shard_go_ahead_of_a_slow_one() -> None:
+    """torch's meaning for streams: shard 1 starts only once the caller holds two batches of
+    shard 0; with the shards taking turns the caller would wait for shard 1 first."""
+    dataset = _data.HeldBackStream(12, held=1)
+    with DataLoader(dataset, batch_size=2, num_workers=2, timeout=30, in_order=False) as loader:
+        it = iter(loader)
+        got = [next(it).tolist() for _ in range(2)]
+        dataset.release.set()
+        got += [batch.tolist() for batch in it]
+    assert got[:2] == [[0, 2], [4, 6]]
+    assert sorted(sum(got, [])) == list(range(12)) and len(got) == 6
