@@ -16,7 +16,8 @@ The whole flow, with who runs each step::
                                           <-  [Loaded(handle) | ShardEnd | WorkerFailure, ...]
     ... up to `prefetch` tasks in flight, across the end of an epoch into the next ...
     Engine.collect: wait for the oldest task (in short slices: worker exit codes, the
-        timeout), then hand out its batches one by one:
+        timeout; with in_order=False a task that finished first goes first), then hand out
+        its batches one by one:
         SlotPool.rebuild(slot, handle) -> tensors viewing the slot (zero copy)  (_transport)
         WorkerFailure.reraise() -> the worker's exception, as its own type   (_protocol)
     EpochIterator: [pin, in its pin thread] -> [to(device) on a side stream] (_device)
@@ -268,7 +269,8 @@ class _Task:
 
 
 class Engine:
-    """Dispatches a loader's jobs into a window of `prefetch` and collects them in order.
+    """Dispatches a loader's jobs into a window of `prefetch` and collects them in order (with
+    `in_order=False`, as they finish).
 
     Starts its workers (or joins the shared pool) at the first `fill`; after a dead worker or
     a timeout it stops them, and the next `fill` starts new ones. Holds no reference to the

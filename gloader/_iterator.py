@@ -166,7 +166,7 @@ class EpochIterator:
         self._config = config
         self._pinner: PinThread | None = None  # started by the first next(): a probe iter() fetches nothing
         # A stream's len(dataset) once the caller has taken len(loader) (None before): more
-        # samples than that are worth a warning (see _check_reported_length).
+        # samples than that are worth a warning (see _warn_past_reported_length).
         self.reported_samples: int | None = None
 
     def __iter__(self) -> EpochIterator:
