@@ -55,12 +55,14 @@ def one_cpu(monkeypatch) -> None:
 def test_cpu_bound_tasks_beyond_the_cpus_go_to_one_worker_per_cpu(one_cpu, start_method) -> None:
     """The others wait for a permit instead of time-sharing the CPU (the test without the
     run delay below shows the same load overlapping). Spawned workers open the permits by
-    their paths."""
+    their paths. Which worker holds the permit may change: a holder whose tasks blocked more
+    than _BLOCKED_SHARE on average (page faults of a cold first run did, once, in CI) hands it
+    on; one task at a time is the rule."""
     with DataLoader(_data.Occupies("spin"), batch_size=1, num_workers=3, start_method=start_method,
                     timeout=30) as loader:
         rows = np.concatenate([batch.numpy() for _ in range(3) for batch in loader])
         assert len(loader.worker_pids()) == 3
-    assert len(_workers(rows)) == 1 and _overlaps(rows) == 0
+    assert _overlaps(rows) == 0
 
 
 def test_tasks_that_block_run_side_by_side_beyond_the_permits(one_cpu) -> None:

@@ -264,7 +264,8 @@ def test_a_stream_epoch_whose_shard_never_answers_times_out_instead_of_spinning(
 
     schedule = Schedule(None, StreamRequest(2, True), 0, lookahead=False)
     engine = OnlyShardZeroAnswers()
-    batches = _StreamBatches(engine, schedule, schedule.open(), PipelineStats(), timeout_s=0.2)  # type: ignore[arg-type]
+    batches = _StreamBatches(engine, schedule, schedule.open(), PipelineStats(), timeout_s=0.2,  # type: ignore[arg-type]
+                             in_order=True)
     started = time.monotonic()
     with pytest.raises(gloader.BatchTimeoutError, match="shard 1 neither sent a batch nor ended"):
         batches.next()
