@@ -32,6 +32,11 @@ _LOADER_IDS = itertools.count(1)
 _T_co = TypeVar("_T_co", covariant=True)
 
 
+class _ReadOnlyAttributeError(AttributeError, ValueError):
+    """Setting a loader attribute: an AttributeError, and a ValueError, as torch's DataLoader
+    raises for `batch_size`, `sampler`, `dataset` and the like, so code catching either works."""
+
+
 class _FromConfig:
     """A read-only loader attribute, read from the loader's checked config."""
 
@@ -46,7 +51,8 @@ class _FromConfig:
         return self if loader is None else getattr(loader._options, self._field)
 
     def __set__(self, loader: Any, value: Any) -> None:
-        raise AttributeError(f"DataLoader.{self._name} is read-only; build a new DataLoader to change it")
+        raise _ReadOnlyAttributeError(f"DataLoader.{self._name} is read-only; build a new DataLoader to change it",
+                                      name=self._name, obj=loader)
 
 
 class DataLoader(Generic[_T_co]):
@@ -162,6 +168,11 @@ class DataLoader(Generic[_T_co]):
         opts = self._options
         unbatched = isinstance(opts.batchify_fn, EachSample)
         return None if opts.stream is not None or unbatched else opts.batch_sampler
+
+    @batch_sampler.setter
+    def batch_sampler(self, value: Any) -> None:
+        raise _ReadOnlyAttributeError("DataLoader.batch_sampler is read-only; build a new DataLoader to change it",
+                                      name="batch_sampler", obj=self)
 
     def __iter__(self) -> Iterator[_T_co]:
         if self._closed:
