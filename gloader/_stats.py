@@ -80,11 +80,7 @@ class PipelineStats:
     def _retire(self, epoch: int) -> None:
         """Fold an epoch into the total of the epochs no longer listed."""
         stats = self.epochs.pop(epoch)
-        earlier = self._earlier
-        earlier.batches += stats.batches
-        earlier.waited_s += stats.waited_s
-        for hop, seconds in stats.hops.items():
-            earlier.hops[hop] += seconds
+        _add(self._earlier, stats)
         self._earlier_wall_s += stats.as_dict()["wall_s"]
 
     def record_work(self, epoch: int, timings: dict[str, float]) -> None:
@@ -115,16 +111,21 @@ class PipelineStats:
     def _snapshot(self, in_flight: int, shared_memory_bytes: int) -> dict[str, Any]:
         total = dataclasses.replace(self._earlier, hops=dict(self._earlier.hops))
         for stats in self.epochs.values():
-            total.batches += stats.batches
-            total.waited_s += stats.waited_s
-            for hop, seconds in stats.hops.items():
-                total.hops[hop] += seconds
+            _add(total, stats)
         overall = total.as_dict()
         wall = self._earlier_wall_s + sum(s.as_dict()["wall_s"] for s in self.epochs.values())
         overall.update(wall_s=wall, wait_fraction=total.waited_s / wall if wall else 0.0,
                        batches_per_s=total.batches / wall if wall else 0.0)
         return {"epochs": {epoch: s.as_dict() for epoch, s in sorted(self.epochs.items())}, "total": overall,
                 "in_flight": in_flight, "shared_memory_bytes": shared_memory_bytes}
+
+
+def _add(total: EpochStats, stats: EpochStats) -> None:
+    """Add an epoch's batches, wait and hop timings to `total` (its clock is not added)."""
+    total.batches += stats.batches
+    total.waited_s += stats.waited_s
+    for hop, seconds in stats.hops.items():
+        total.hops[hop] += seconds
 
 
 class ProgressBar:

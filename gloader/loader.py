@@ -37,6 +37,11 @@ class _ReadOnlyAttributeError(AttributeError, ValueError):
     raises for `batch_size`, `sampler`, `dataset` and the like, so code catching either works."""
 
 
+def _read_only(name: str, loader: Any) -> _ReadOnlyAttributeError:
+    return _ReadOnlyAttributeError(f"DataLoader.{name} is read-only; build a new DataLoader to change it",
+                                   name=name, obj=loader)
+
+
 class _FromConfig:
     """A read-only loader attribute, read from the loader's checked config."""
 
@@ -51,8 +56,7 @@ class _FromConfig:
         return self if loader is None else getattr(loader._options, self._field)
 
     def __set__(self, loader: Any, value: Any) -> None:
-        raise _ReadOnlyAttributeError(f"DataLoader.{self._name} is read-only; build a new DataLoader to change it",
-                                      name=self._name, obj=loader)
+        raise _read_only(self._name, loader)
 
 
 class DataLoader(Generic[_T_co]):
@@ -137,7 +141,7 @@ class DataLoader(Generic[_T_co]):
         self._device = DevicePipeline(config.device) if config.device is not None else None
         self._stats = PipelineStats()
         self._iterator: EpochIterator | None = None
-        self._stream_length_taken = False  # len(loader) was taken over an IterableDataset
+        self._reported_samples: int | None = None  # a stream's len(dataset), once len(loader) was taken
         self._closed = False
         if config.pin_memory:
             warn_if_cannot_pin()
@@ -171,8 +175,7 @@ class DataLoader(Generic[_T_co]):
 
     @batch_sampler.setter
     def batch_sampler(self, value: Any) -> None:
-        raise _ReadOnlyAttributeError("DataLoader.batch_sampler is read-only; build a new DataLoader to change it",
-                                      name="batch_sampler", obj=self)
+        raise _read_only("batch_sampler", self)
 
     def __iter__(self) -> Iterator[_T_co]:
         if self._closed:
@@ -188,8 +191,7 @@ class DataLoader(Generic[_T_co]):
         self._iterator = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options,
                                        self._device)
         self._latest.ref = weakref.ref(self._iterator)
-        if self._stream_length_taken:
-            self._iterator.reported_samples = len(self._options.dataset)
+        self._iterator.reported_samples = self._reported_samples
         return self._iterator
 
     def _follow_dataset_changes(self) -> None:
@@ -224,9 +226,9 @@ class DataLoader(Generic[_T_co]):
             if self._options.stream_batches is None:
                 raise TypeError("a DataLoader over an IterableDataset has no length: the stream decides when "
                                 "it ends (give the dataset __len__ for torch's estimate)")
-            self._stream_length_taken = True  # epochs that outrun it warn from now on (see EpochIterator)
+            self._reported_samples = len(self._options.dataset)  # epochs that outrun it warn from now on
             if self._iterator is not None and not self._iterator.finished:
-                self._iterator.reported_samples = len(self._options.dataset)
+                self._iterator.reported_samples = self._reported_samples
             return self._options.stream_batches
         length = self._schedule.length(self._served()[0], self._served()[2])
         if length is None:
