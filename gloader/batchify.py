@@ -1,8 +1,8 @@
 """Batchify functions: turn a list of samples into one batch of torch tensors.
 
-Gluon's batchify API (`Stack`, `Pad`, `Group`/`Tuple`, `Dict`, `List`, MXNet 2.0's `AsList`
-and `Append`, and `default_batchify_fn`, which follows torch's `default_collate`). Each one also *plans* the batch (shapes and dtypes first, data
-second), which lets a worker write the batch straight into shared memory, each byte once.
+Gluon's batchify API (`Stack`, `Pad`, `Group`/`Tuple`, `Dict`, `List`, GluonNLP's `NamedTuple`,
+MXNet 2.0's `AsList` and `Append`, and `default_batchify_fn`, which follows torch's
+`default_collate`). Each one also *plans* the batch (shapes and dtypes first, data second), which lets a worker write the batch straight into shared memory, each byte once.
 Any other callable works as a batchify function too; its output is copied once.
 Nothing here starts a process or touches CUDA.
 """
@@ -22,7 +22,7 @@ from ._checks import check_flag
 from ._math import round_up
 from ._tree import Leaf, Opaque, as_torch_dtype, map_structure, materialize, numeric_tensor, plan_from_value
 
-__all__ = ["Append", "AsList", "Dict", "Group", "List", "Pad", "Stack", "Tuple", "build_planned",
+__all__ = ["Append", "AsList", "Dict", "Group", "List", "NamedTuple", "Pad", "Stack", "Tuple", "build_planned",
            "default_batchify_fn", "plan_batch"]
 
 _T = TypeVar("_T")
@@ -373,9 +373,11 @@ def _is_zero(value: Any) -> bool:
 class Pad(_Batchify):
     """Pad arrays to the longest, then stack them.
 
-    Two forms. GluonNLP's, `Pad(axis=0, pad_val=0, ret_length=False, dtype=None, round_to=None)`,
-    pads along `axis`. MXNet 2.0's, `Pad(val=..., dtype=None, round_to=None)` (named by passing
-    `val`), pads every axis to the largest size among the samples.
+    Three spellings. GluonNLP 0.x's, `Pad(axis=0, pad_val=0, ret_length=False, dtype=None,
+    round_to=None)`, and GluonNLP 1.0's, `Pad(val=0, axis=k)`, pad along one axis. MXNet 2.0's,
+    `Pad(val=..., dtype=None, round_to=None)` (`val` named, no `axis`), pads every axis to the
+    largest size among the samples; where the samples agree on every other axis, that is the
+    same batch as padding axis 0.
 
     Args:
         axis: the sample axis to pad (samples agree on every other axis).
@@ -383,10 +385,12 @@ class Pad(_Batchify):
         ret_length: also return an int64 tensor of the original lengths along `axis`.
         dtype: output dtype; None keeps the samples' dtype.
         round_to: round each padded length up to a multiple of this.
-        val: MXNet 2.0's padding value (None means 0); selects the every-axis form.
+        val: the padding value of MXNet 2.0 and GluonNLP 1.0 (None means 0); with no `axis` and
+            no `ret_length`, it selects the every-axis form.
 
     Raises:
-        ValueError: for an axis outside the samples' dimensions, or other axes that differ.
+        ValueError: for an axis outside the samples' dimensions, other axes that differ, or both
+            `val` and `pad_val`.
     """
 
     def __init__(self, axis: int = 0, pad_val: Any = 0, ret_length: bool = False,
@@ -395,16 +399,13 @@ class Pad(_Batchify):
             raise TypeError(f"axis must be an integer, got {axis!r}")
         if round_to is not None and (isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1):
             raise ValueError(f"round_to must be an integer >= 1 or None, got {round_to!r}")
-        self._every_axis = val is not _UNSET
-        if self._every_axis and ret_length:
-            raise ValueError("ret_length=True belongs to GluonNLP's Pad(axis=...); MXNet 2.0's Pad(val=...) pads "
-                             "every axis and returns no lengths")
-        if self._every_axis and (axis != 0 or not _is_zero(pad_val)):
-            raise ValueError(f"axis={axis!r} and pad_val={pad_val!r} belong to GluonNLP's Pad(axis=..., pad_val=...); "
-                             "MXNet 2.0's Pad(val=...) pads every axis with val: pass one form")
-        self._axis = axis
-        self._pad_val = (0 if val is None else val) if self._every_axis else pad_val
+        if val is not _UNSET and not _is_zero(pad_val):
+            raise ValueError(f"val={val!r} and pad_val={pad_val!r} both give the padding value (val is MXNet 2.0's and "
+                             "GluonNLP 1.0's name, pad_val GluonNLP 0.x's): pass one")
         self._ret_length = check_flag("ret_length", ret_length)
+        self._every_axis = val is not _UNSET and axis == 0 and not self._ret_length
+        self._axis = axis
+        self._pad_val = pad_val if val is _UNSET else (0 if val is None else val)
         self._dtype = _check_dtype(dtype)
         self._round_to = round_to
 
@@ -491,20 +492,70 @@ class Dict(_Batchify):
     """Apply one batchify function per key of dict samples; returns a dict.
 
     Args:
-        **fns: key -> batchify function; every sample must have exactly these keys.
+        fn_dict: key -> batchify function, GluonNLP's form (keys of any type).
+        **fns: key -> batchify function, for string keys. Every sample must have exactly the
+            keys of both together.
     """
 
-    def __init__(self, **fns: Callable[[list[Any]], Any]) -> None:
-        if not fns or not all(callable(fn) for fn in fns.values()):
-            raise TypeError(f"Dict needs one or more keyword batchify functions, got {fns!r}")
-        self._fns = fns
+    def __init__(self, fn_dict: Mapping[Any, Callable[[list[Any]], Any]] | None = None, /,
+                 **fns: Callable[[list[Any]], Any]) -> None:
+        if fn_dict is not None and not isinstance(fn_dict, Mapping):
+            raise TypeError(f"Dict takes a mapping of key -> batchify function, or keyword functions; "
+                            f"got {type(fn_dict).__name__} {fn_dict!r:.80}")
+        clash = sorted(set(fn_dict or ()) & set(fns), key=repr)
+        if clash:
+            raise ValueError(f"Dict got keys {clash} both in the mapping and as keywords: pass each once")
+        merged = {**(fn_dict or {}), **fns}
+        if not merged or not all(callable(fn) for fn in merged.values()):
+            raise TypeError(f"Dict needs one or more batchify functions, one per key, got {merged!r:.200}")
+        self._fns = merged
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
         for sample in samples:
             if not isinstance(sample, Mapping) or set(sample.keys()) != set(self._fns):
-                raise ValueError(f"Dict with keys {sorted(self._fns)} needs dict samples with exactly these keys, "
-                                 f"got {type(sample).__name__} {sample!r:.80}")
+                raise ValueError(f"Dict with keys {sorted(self._fns, key=repr)} needs dict samples with exactly "
+                                 f"these keys, got {type(sample).__name__} {sample!r:.80}")
         return {key: plan_batch(fn, [sample[key] for sample in samples]) for key, fn in self._fns.items()}
+
+
+class NamedTuple(_Batchify):
+    """Apply one batchify function per field of namedtuple samples; returns that namedtuple
+    (GluonNLP's `NamedTuple`).
+
+    Args:
+        container: the namedtuple class of the samples.
+        fns: one batchify function per field, in field order (a list or tuple), or by field
+            name (a mapping with exactly the class's fields).
+
+    Raises:
+        ValueError: when `fns` does not match the fields, and at batch time for a sample that is
+            not a `container`.
+    """
+
+    def __init__(self, container: type, fns: Sequence[Callable[[list[Any]], Any]] | Mapping[str, Any]) -> None:
+        fields = getattr(container, "_fields", None)
+        if not isinstance(container, type) or not issubclass(container, tuple) or fields is None:
+            raise TypeError(f"container must be a namedtuple class, got {container!r:.80}")
+        if isinstance(fns, Mapping):
+            if set(fns) != set(fields):
+                raise ValueError(f"NamedTuple({container.__name__}) needs one batchify function per field "
+                                 f"{list(fields)}, got keys {list(fns)}")
+            fns = [fns[name] for name in fields]
+        elif not isinstance(fns, (list, tuple)) or len(fns) != len(fields):
+            raise ValueError(f"NamedTuple({container.__name__}) needs a list of {len(fields)} batchify functions "
+                             f"(one per field {list(fields)}) or a dict by field name, got {fns!r:.120}")
+        if not all(callable(fn) for fn in fns):
+            raise ValueError(f"NamedTuple({container.__name__}) needs callable batchify functions, got {fns!r:.120}")
+        self._container = container
+        self._fns = tuple(fns)
+
+    def _gloader_plan(self, samples: list[Any]) -> Any:
+        for sample in samples:
+            if not isinstance(sample, self._container):
+                raise ValueError(f"NamedTuple({self._container.__name__}) needs {self._container.__name__} samples, "
+                                 f"got {type(sample).__name__} {sample!r:.80}")
+        return self._container(*(plan_batch(fn, [sample[i] for sample in samples])
+                                 for i, fn in enumerate(self._fns)))
 
 
 class List(_Batchify):

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from . import _pool
+from ._checks import check_flag
 from ._device import DevicePipeline, warn_if_cannot_pin
 from ._engine import Engine
 from ._iterator import EpochIterator
@@ -102,6 +103,9 @@ class DataLoader(Generic[_T_co]):
             batches themselves (samples, seeds) are the same. For a stream, a shard with
             nothing ready lets the others' batches go first. True (default): sampler order
             (for a stream, the shards take turns).
+        try_nopython: MXNet 2.0's switch to its C++ loader, accepted so Gluon 2.0 code runs
+            unchanged: workers always run the Python pipeline (what MXNet falls back to for
+            Python datasets and transforms), whatever its value.
 
     With `batch_size=None` (torch's unbatched mode) each sample is its own batch, converted
     as torch's `default_convert` does (or passed to `collate_fn`). With `seed=None` the seed is
@@ -123,7 +127,9 @@ class DataLoader(Generic[_T_co]):
                  start_method: str | None = None, pool: WorkerPool | None = None, progress: bool = False,
                  collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool | None = None,
                  persistent_workers: bool | None = None, prefetch_factor: int | None = None,
-                 multiprocessing_context: Any = None, generator: Any = None, in_order: bool = True) -> None:
+                 multiprocessing_context: Any = None, generator: Any = None, in_order: bool = True,
+                 try_nopython: bool | None = None) -> None:
+        check_flag("try_nopython", try_nopython, none_means=False)
         self._options = LoaderConfig.build(
             dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, last_batch=last_batch,
             batch_sampler=batch_sampler, batchify_fn=batchify_fn, num_workers=num_workers, pin_memory=pin_memory,

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gloader import DataLoader
-from gloader.batchify import Append, AsList, Dict, Group, List, Pad, Stack, Tuple, default_batchify_fn
+from gloader.batchify import Append, AsList, Dict, Group, List, NamedTuple, Pad, Stack, Tuple, default_batchify_fn
 from tests import _data
 
 
@@ -88,13 +88,14 @@ def test_pad_names_a_sample_that_is_not_numeric(samples: list[Any]) -> None:
     (lambda: Stack()([]), ValueError, "Stack needs at least one sample"),
     (lambda: Pad()([]), ValueError, "Pad needs at least one sample"),
     (lambda: Append()([np.zeros(2), "a"]), TypeError, r"Append needs numeric arrays.*'a'.*List\(\)"),
-    (lambda: Pad(val=0, axis=1), ValueError, "axis=1 and pad_val=0 belong to GluonNLP's Pad.*pass one form"),
-    (lambda: Pad(val=1, pad_val=2), ValueError, "pad_val=2 belong to GluonNLP's Pad"),
+    (lambda: Pad(val=1, pad_val=2), ValueError, "val=1 and pad_val=2 both give the padding value.*pass one"),
+    (lambda: Dict([Stack()]), TypeError, r"Dict takes a mapping of key -> batchify function.*got list"),
+    (lambda: Dict({"x": Stack()}, x=Stack()), ValueError, r"keys \['x'\] both in the mapping and as keywords"),
     (lambda: default_batchify_fn([2**70, 1]), OverflowError, r"cannot batch \[1180591620717411303424\] as torch.int64"),
     (lambda: default_batchify_fn([np.zeros(2, ">f4")] * 2), TypeError, r"dtype >f4.*byte order.*newbyteorder"),
     (lambda: Stack()([np.zeros(2, ">f4")] * 2), TypeError, r"dtype >f4.*byte order.*newbyteorder"),
-], ids=["stack-empty", "pad-empty", "append-string", "pad-val-with-axis", "pad-val-with-pad-val", "int-overflow",
-        "byte-order", "stack-byte-order"])
+], ids=["stack-empty", "pad-empty", "append-string", "pad-val-with-pad-val", "dict-of-a-list", "dict-key-twice",
+        "int-overflow", "byte-order", "stack-byte-order"])
 def test_bad_batches_and_arguments_get_errors_that_name_them(call: Any, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         call()
@@ -349,8 +350,50 @@ def test_mxnet2_pad_pads_every_axis_and_rounds_each() -> None:
     assert out.shape == (2, 2, 3) and out[0, 1].tolist() == [-1, -1, -1] and out[1, :, 2].tolist() == [-1, -1]
     assert Pad(val=None, round_to=4)([np.ones((1, 3))]).shape == (1, 4, 4)
     assert Pad(val=0, dtype="float32")([np.ones(2, np.int64)]).dtype == torch.float32
-    with pytest.raises(ValueError, match="ret_length=True belongs to GluonNLP's Pad"):
-        Pad(val=0, ret_length=True)
+
+
+@pytest.mark.parametrize("axis", [1, -1])
+def test_gluonnlp_1_pad_with_val_and_axis_pads_that_axis_only(axis: int) -> None:
+    # GluonNLP 1.0 spells it Pad(val=..., axis=...): one axis, as GluonNLP 0.x's pad_val does
+    samples = [np.array([[1, 2, 3, 4], [5, 6, 7, 8]]), np.array([[5, 8], [1, 2]])]
+    out = Pad(axis=axis, val=-1)(samples)
+    assert out.tolist() == [[[1, 2, 3, 4], [5, 6, 7, 8]], [[5, 8, -1, -1], [1, 2, -1, -1]]]
+    assert torch.equal(out, Pad(axis=axis, pad_val=-1)(samples))
+    with pytest.raises(ValueError, match="agree on every other axis"):  # one axis: the others must agree
+        Pad(axis=axis, val=-1)([np.ones((2, 3)), np.ones((3, 4))])
+    padded, lengths = Pad(val=-1, ret_length=True)([np.ones(2), np.ones(3)])  # ret_length: one axis, 0
+    assert padded.tolist() == [[1, 1, -1], [1, 1, 1]] and lengths.tolist() == [2, 3]
+
+
+_Pair = collections.namedtuple("_Pair", ["data", "label"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_gluonnlp_namedtuple_and_dict_of_a_mapping_batch_through_workers(workers: int) -> None:
+    pairs = [_Pair(np.arange(i + 1), i) for i in range(8)]
+    for fns in ([Pad(val=-1), Stack()], (Pad(val=-1), Stack()), {"label": Stack(), "data": Pad(val=-1)}):
+        with DataLoader(pairs, batch_size=4, num_workers=workers, batchify_fn=NamedTuple(_Pair, fns)) as loader:
+            batch = list(loader)[1]
+        assert isinstance(batch, _Pair) and batch.label.tolist() == [4, 5, 6, 7]
+        assert batch.data.tolist()[0] == [0, 1, 2, 3, 4, -1, -1, -1]
+    keyed = [{0: np.arange(i + 1), "y": i} for i in range(4)]  # a key that no keyword can spell
+    with DataLoader(keyed, batch_size=4, num_workers=workers,
+                    batchify_fn=Dict({0: Pad()}, y=Stack())) as loader:
+        (batch,) = list(loader)
+    assert batch[0].tolist()[1] == [0, 1, 0, 0] and batch["y"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: NamedTuple(_Pair, {"data0": Stack(), "label": Stack()}), r"one batchify function per field \['data', "),
+    (lambda: NamedTuple(_Pair, [Stack()] * 3), "needs a list of 2 batchify functions"),
+    (lambda: NamedTuple(_Pair, [1, 2]), "needs callable batchify functions"),
+    (lambda: NamedTuple(_Pair, [Stack(), Stack()])([(1, 2)]), r"needs _Pair samples, got tuple \(1, 2\)"),
+], ids=["unknown-field", "too-many", "not-callable", "not-that-class"])
+def test_gluonnlp_namedtuple_names_what_does_not_match_its_fields(call: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+    with pytest.raises(TypeError, match="container must be a namedtuple class, got <class 'tuple'>"):
+        NamedTuple(tuple, [Stack()])
 
 
 def test_aslist_and_append_keep_samples_apart() -> None:

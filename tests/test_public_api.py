@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 import gloader
 from gloader import batchify, sampler
 
@@ -12,7 +14,8 @@ def test_all_is_sorted_and_exact() -> None:
     assert set(gloader.__all__) == {"ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset",
                                     "SimpleDataset", "WorkerExitedError", "WorkerInfo", "WorkerPool", "batchify",
                                     "get_worker_info", "sampler"}
-    assert set(batchify.__all__) >= {"Dict", "Group", "List", "Pad", "Stack", "Tuple", "default_batchify_fn"}
+    assert set(batchify.__all__) >= {"Dict", "Group", "List", "NamedTuple", "Pad", "Stack", "Tuple",
+                                        "default_batchify_fn"}
     assert set(sampler.__all__) == {"BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler",
                                     "RandomSampler", "Sampler", "SequentialSampler"}
 
@@ -36,12 +39,21 @@ def test_dataloader_signature_matches_the_contract() -> None:
                         "device": None, "worker_init_fn": None, "seed": None, "start_method": None, "pool": None,
                         "progress": False, "collate_fn": None, "drop_last": None, "persistent_workers": None,
                         "prefetch_factor": None, "multiprocessing_context": None, "generator": None,
-                        "in_order": True}
+                        "in_order": True, "try_nopython": None}
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY
                for n in ("device", "worker_init_fn", "seed", "start_method", "pool", "progress", "collate_fn",
                          "drop_last", "persistent_workers", "prefetch_factor", "multiprocessing_context",
-                         "generator", "in_order"))
+                         "generator", "in_order", "try_nopython"))
 
 
 def test_batchify_tuple_is_group() -> None:
     assert batchify.Tuple is batchify.Group
+
+
+def test_mxnet2_try_nopython_is_accepted_and_checked() -> None:
+    # Gluon 2.0 code passes it; gloader always runs the Python pipeline (MXNet's own fallback)
+    expected = [b.tolist() for b in gloader.DataLoader(list(range(5)), 2)]
+    for value in (None, True, False):
+        assert [b.tolist() for b in gloader.DataLoader(list(range(5)), 2, try_nopython=value)] == expected
+    with pytest.raises(TypeError, match="try_nopython must be True or False \\(or None\\), got 'auto'"):
+        gloader.DataLoader(list(range(5)), 2, try_nopython="auto")
