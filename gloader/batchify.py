@@ -331,8 +331,18 @@ def _materialize_host(plan: Any) -> Any:
 default_batchify_fn._gloader_plan = _plan_default  # type: ignore[attr-defined]  # read by plan_batch
 
 
+def _written(**arguments: Any) -> str:
+    """Keyword arguments as written in a call, leaving out those given as None (the defaults)."""
+    return ", ".join(f"{name}={value!r}" for name, value in arguments.items() if value is not None)
+
+
 class _Batchify:
     """Shared call path: every built-in batchify function is its plan, materialized."""
+
+    _shown = ""  # the arguments its repr shows, as they would be written
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._shown})"
 
     def __call__(self, samples: list[Any]) -> Any:
         return build_planned(lambda: self._gloader_plan(samples), _materialize_host)
@@ -350,6 +360,7 @@ class Stack(_Batchify):
 
     def __init__(self, dtype: Any = None) -> None:
         self._dtype = _check_dtype(dtype)
+        self._shown = _written(dtype=dtype)
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
         if not samples:
@@ -408,6 +419,11 @@ class Pad(_Batchify):
         self._pad_val = pad_val if val is _UNSET else (0 if val is None else val)
         self._dtype = _check_dtype(dtype)
         self._round_to = round_to
+        self._shown = _written(axis=axis or None, pad_val=None if _is_zero(pad_val) else pad_val,
+                               ret_length=ret_length or None, dtype=dtype, round_to=round_to,
+                               val=None if val is _UNSET else val)
+        if val is None:  # the every-axis form with its default value, told apart from Pad()
+            self._shown = ", ".join(filter(None, [self._shown, "val=None"]))
 
     def _rounded(self, size: int) -> int:
         return round_up(size, self._round_to) if self._round_to else size
@@ -476,6 +492,7 @@ class Group(_Batchify):
         if not fns or not all(callable(fn) for fn in fns):
             raise TypeError(f"Group needs one or more batchify functions, got {fns!r}")
         self._fns = fns
+        self._shown = ", ".join(map(repr, fns))
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
         for sample in samples:
@@ -509,6 +526,7 @@ class Dict(_Batchify):
         if not merged or not all(callable(fn) for fn in merged.values()):
             raise TypeError(f"Dict needs one or more batchify functions, one per key, got {merged!r:.200}")
         self._fns = merged
+        self._shown = repr(merged)
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
         for sample in samples:
@@ -548,6 +566,7 @@ class NamedTuple(_Batchify):
             raise ValueError(f"NamedTuple({container.__name__}) needs callable batchify functions, got {fns!r:.120}")
         self._container = container
         self._fns = tuple(fns)
+        self._shown = f"{container.__name__}, {list(self._fns)!r}"
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
         for sample in samples:
@@ -581,6 +600,7 @@ class Append(_Batchify):
             raise TypeError(f"batch_axis must be an integer, got {batch_axis!r}")
         self._expand = check_flag("expand", expand)
         self._batch_axis = batch_axis
+        self._shown = _written(expand=None if self._expand else False, batch_axis=batch_axis or None)
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
         out = []

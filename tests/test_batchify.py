@@ -401,3 +401,14 @@ def test_aslist_and_append_keep_samples_apart() -> None:
     out = Append()([np.zeros(2), np.ones(3)])
     assert [tuple(t.shape) for t in out] == [(1, 2), (1, 3)]
     assert [tuple(t.shape) for t in Append(expand=False)([np.zeros(2)])] == [(2,)]
+
+
+def test_batchify_functions_show_as_they_were_written_in_errors() -> None:
+    written = ["Stack()", "Stack(dtype='float32')", "Pad()", "Pad(axis=1, pad_val=-1, ret_length=True, round_to=8)",
+               "Pad(val=-1)", "Pad(val=None)", "Group(Stack(), Pad(val=0))", "Dict({'x': Stack()})",
+               "Dict({0: Pad()})", "NamedTuple(_Pair, [Stack(), List()])", "List()",
+               "Append(expand=False, batch_axis=1)"]
+    for text in written:
+        assert repr(eval(text)) == text
+    with pytest.raises(TypeError, match=re.escape("got (Stack(), 3)")):
+        Group(Stack(), 3)
