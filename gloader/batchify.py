@@ -2,9 +2,10 @@
 
 Gluon's batchify API (`Stack`, `Pad`, `Group`/`Tuple`, `Dict`, `List`, GluonNLP's `NamedTuple`,
 MXNet 2.0's `AsList` and `Append`, and `default_batchify_fn`, which follows torch's
-`default_collate`). Each one also *plans* the batch (shapes and dtypes first, data second), which lets a worker write the batch straight into shared memory, each byte once.
-Any other callable works as a batchify function too; its output is copied once.
-Nothing here starts a process or touches CUDA.
+`default_collate`). Each one also *plans* the batch (shapes and dtypes first, data second),
+which lets a worker write the batch straight into shared memory, each byte once. Any other
+callable works as a batchify function too; its output is copied once. Nothing here starts a
+process or touches CUDA.
 """
 from __future__ import annotations
 
