@@ -10,6 +10,7 @@ DESIGN.md's traps). Imports nothing of gloader's: both sides use it. The flow is
 """
 from __future__ import annotations
 
+import array
 import functools
 import importlib
 import io
@@ -246,8 +247,8 @@ def encode_keys(keys: Any) -> Any:
 
 def decode_keys(keys: Any) -> list[Any]:
     """The sample keys of a task, as `encode_keys` received them."""
-    if isinstance(keys, bytes):
-        return np.frombuffer(keys, dtype=np.int64).tolist()  # type: ignore[no-any-return]
+    if isinstance(keys, bytes):  # int64 in this machine's byte order, from this machine's caller
+        return array.array("q", keys).tolist()  # half the time of numpy's frombuffer(...).tolist()
     return keys  # type: ignore[no-any-return]
 
 
