@@ -68,6 +68,22 @@ with DataLoader(sentences, batch_size=3, batchify_fn=batchify, num_workers=2, st
         print(tokens, lengths, labels, sep="\n", end="\n\n")
 
 # %% [markdown]
+# GluonNLP's spellings work as written: `NamedTuple` keeps a namedtuple sample's class,
+# `Dict({...})` takes keys of any type, and `Pad(val=..., axis=...)` pads one axis.
+
+# %%
+from collections import namedtuple
+
+from gloader.batchify import Dict, NamedTuple
+
+Pair = namedtuple("Pair", ["tokens", "meta"])
+pairs = SimpleDataset([Pair(np.arange(n), {"label": n % 2, 0: float(n)}) for n in (3, 5, 2, 4)])
+batchify = NamedTuple(Pair, {"tokens": Pad(val=-1, axis=0), "meta": Dict({"label": Stack(), 0: Stack()})})
+with DataLoader(pairs, batch_size=2, batchify_fn=batchify) as loader:
+    batch = next(iter(loader))
+print(type(batch).__name__, batch.tokens, batch.meta, sep="\n")
+
+# %% [markdown]
 # Batches are torch tensors that view shared memory written by the workers; keeping one
 # (in a list, across epochs, after `close()`) is safe: its memory is reused only once the
 # last tensor viewing it is gone.
