@@ -420,11 +420,10 @@ class Pad(_Batchify):
         self._pad_val = pad_val if val is _UNSET else (0 if val is None else val)
         self._dtype = _check_dtype(dtype)
         self._round_to = round_to
-        self._shown = _written(axis=axis or None, pad_val=None if _is_zero(pad_val) else pad_val,
-                               ret_length=ret_length or None, dtype=dtype, round_to=round_to,
-                               val=None if val is _UNSET else val)
-        if val is None:  # the every-axis form with its default value, told apart from Pad()
-            self._shown = ", ".join(filter(None, [self._shown, "val=None"]))
+        shown = _written(axis=axis or None, pad_val=None if _is_zero(pad_val) else pad_val,
+                         ret_length=ret_length or None, dtype=dtype, round_to=round_to)
+        # val=None is shown too: it selects the every-axis form
+        self._shown = shown if val is _UNSET else ", ".join(filter(None, [shown, f"val={val!r}"]))
 
     def _rounded(self, size: int) -> int:
         return round_up(size, self._round_to) if self._round_to else size
@@ -566,16 +565,15 @@ class NamedTuple(_Batchify):
         if not all(callable(fn) for fn in fns):
             raise ValueError(f"NamedTuple({container.__name__}) needs callable batchify functions, got {fns!r:.120}")
         self._container = container
-        self._fns = tuple(fns)
-        self._shown = f"{container.__name__}, {list(self._fns)!r}"
+        self._fields = Group(*fns)
+        self._shown = f"{container.__name__}, {list(fns)!r}"
 
     def _gloader_plan(self, samples: list[Any]) -> Any:
         for sample in samples:
             if not isinstance(sample, self._container):
                 raise ValueError(f"NamedTuple({self._container.__name__}) needs {self._container.__name__} samples, "
                                  f"got {type(sample).__name__} {sample!r:.80}")
-        return self._container(*(plan_batch(fn, [sample[i] for sample in samples])
-                                 for i, fn in enumerate(self._fns)))
+        return self._container(*self._fields._gloader_plan(samples))
 
 
 class List(_Batchify):

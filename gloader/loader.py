@@ -307,15 +307,15 @@ class DataLoader(Generic[_T_co]):
 
         Returns:
             {"epochs": {epoch: timings} (the latest 64 epochs; "total" counts all), "total":
-            timings, "in_flight": batches dispatched and
-            not yet handed over, "shared_memory_bytes": mapped by this loader}. Timings (in
-            seconds) are: `batches`, `wall_s` (first batch requested to last handed over),
-            `waited_s` (time the caller spent waiting for batches), `wait_fraction` (near 1:
-            training is input-bound; near 0: loading keeps up), `batches_per_s`, and each
-            hop of a batch's trip, summed over batches: `dispatch_s` (queued until a worker
-            began it), `worker_fetch_s` (getting samples, transforms included),
-            `worker_batchify_s`, `return_s` (the finished batch's trip back), `window_s`
-            (finished, waiting for you to ask) and `handover_s` (turning it into tensors here).
+            timings, "in_flight": batches dispatched and not yet handed over, "shared_memory_bytes":
+            mapped by this loader}. Timings (in seconds) are: `batches`, `wall_s` (first batch
+            requested to last handed over), `waited_s` (time the caller spent waiting for batches),
+            `wait_fraction` (near 1: training is input-bound; near 0: loading keeps up),
+            `batches_per_s`, and each hop of a batch's trip, summed over batches: `dispatch_s`
+            (queued until a worker began it), `worker_fetch_s` (getting samples, transforms
+            included), `worker_batchify_s`, `return_s` (the finished batch's trip back),
+            `window_s` (finished, waiting for you to ask) and `handover_s` (turning it into
+            tensors here).
         """
         return self._stats.snapshot(self._engine.in_flight, self._engine.shared_memory_bytes())
 
