@@ -98,11 +98,15 @@ _HELD_WITH_DESCRIPTOR = 4
 # made W1 tasks of ~17 batches; 20 ms (30, where the keys cap them) took 3.0% less CPU a
 # batch and read 5.2% faster (medians of 20 alternating rounds, 17 with less CPU), 0.8-2.2%
 # and 2.2-2.7% in two shorter series; 40 ms with up to 64 batches read 3.5% slower (8 rounds).
-# The tasks of each epoch start from one batch and double (1, 2, 4, ...) up to that count, so
-# that an epoch's first batch waits for one batch of work, not a whole task: W1 data, a loop
-# that reads as fast as it can, next epoch's first batch: 5.9 ms with 10 ms tasks, 12.4 with
-# 20 ms, 0.28 with 20 ms and the ramp (medians of 6 loaders, epochs 3-6). Throughput and CPU a
-# batch stayed as they were (W1, 10 alternating rounds: 1.015x and 0.979x).
+# The first task of each epoch carries one batch, so that an epoch's first batch waits for one
+# batch of work, not a whole task: W1 data, a loop that reads as fast as it can, next epoch's
+# first batch: 5.9 ms with 10 ms tasks, 12.4 with 20 ms, 0.28 with 20 ms and a small first task
+# (medians of 6 loaders, epochs 3-6). The tasks after it carry the whole count at once. When
+# they grew by doubling (1, 2, 4, 8, ...), a worker went idle at every epoch boundary: the
+# window held the old epoch's last whole task, still loading in the other worker, and small
+# tasks this one had finished, so it waited until that task was collected. W1 (781 batches an
+# epoch, 4 s each, 3 alternating runs): CPUs idle 1.7-3.0% of the time with the doubling,
+# 0.5-0.7% with one batch then the whole count (0.4-1.0% with whole tasks from the start).
 _TASK_TARGET_S = 0.02
 _MAX_BATCHES_PER_TASK = 32
 _TASK_BYTES = 1 << 20
@@ -292,8 +296,7 @@ class Engine:
         self._held: Job | None = None  # taken from the schedule, of another epoch than the task being filled
         self._batch_cost_s = 0.0  # running estimates of a batch's worker time and bytes (0: unknown)
         self._batch_bytes = 0.0
-        self._ramp_epoch: int | None = None  # the epoch whose tasks are being dispatched
-        self._ramp = 1  # the most batches its next task may carry (see _TASK_TARGET_S)
+        self._dispatching_epoch: int | None = None  # the epoch of the latest task dispatched
         self._forked_from: int | None = None  # the pid whose workers this process inherited by fork
         self._dataset_picture: Picture | None = None  # the dataset when worker processes took their copy
         self.reordered_epoch: int | None = None  # the latest epoch a batch was collected ahead of an older one
@@ -368,10 +371,9 @@ class Engine:
             if first is None:
                 return
             jobs = [first]
-            if first.epoch != self._ramp_epoch:
-                self._ramp_epoch, self._ramp = first.epoch, 1
-            limit = min(per_task, self._ramp)
-            self._ramp = min(2 * self._ramp, _MAX_BATCHES_PER_TASK)
+            limit = per_task
+            if first.epoch != self._dispatching_epoch:  # the epoch's first task: one batch (see _TASK_TARGET_S)
+                self._dispatching_epoch, limit = first.epoch, 1
             key_bytes = _key_bytes(first.work)
             while len(jobs) < limit and not isinstance(first.work, StreamRequest):
                 job = next_job()
