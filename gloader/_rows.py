@@ -178,4 +178,4 @@ def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: A
         plan = leaves  # the default batchify makes a list of any other sequence sample
     offset = space.offset
     space.offset += total
-    return (slot[2], offset, total, _encode(plan, offsets), None)
+    return (slot[2], offset, total, _encode(plan, lambda leaf: offsets[id(leaf)]), None)

@@ -40,13 +40,13 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ._math import round_up
-from ._tree import Leaf, Opaque, iter_leaves
+from ._tree import Leaf, Opaque
 
 __all__ = ["SlotMaps", "SlotPool", "SlotSpace", "close_inherited_segments", "pack_batch"]
 
@@ -222,20 +222,38 @@ class SlotMaps:
         return len(self._maps)
 
 
-def _encode(plan: Any, offsets: dict[int, int]) -> Any:
+def _encode(plan: Any, offset_of: Callable[[Leaf], int]) -> Any:
     """Describe a plan as plain tuples: ('t', offset, shape, dtype), ('o', value), containers
-    ('L' list, 'T' tuple, 'N' namedtuple with its class, 'D' dict)."""
+    ('L' list, 'T' tuple, 'N' namedtuple with its class, 'D' dict). `offset_of(leaf)` gives
+    each leaf's byte offset; leaves are visited in `iter_leaves` order."""
     if isinstance(plan, Leaf):
-        return ("t", offsets[id(plan)], plan.shape, str(plan.dtype)[6:])
+        return ("t", offset_of(plan), plan.shape, str(plan.dtype)[6:])
     if isinstance(plan, Opaque):
         return ("o", plan.value)
     if isinstance(plan, list):
-        return ("L", [_encode(item, offsets) for item in plan])
+        return ("L", [_encode(item, offset_of) for item in plan])
     if isinstance(plan, tuple):
         if hasattr(plan, "_fields"):  # a namedtuple: its class travels by reference
-            return ("N", type(plan), [_encode(item, offsets) for item in plan])
-        return ("T", [_encode(item, offsets) for item in plan])
-    return ("D", [(key, _encode(item, offsets)) for key, item in plan.items()])
+            return ("N", type(plan), [_encode(item, offset_of) for item in plan])
+        return ("T", [_encode(item, offset_of) for item in plan])
+    return ("D", [(key, _encode(item, offset_of)) for key, item in plan.items()])
+
+
+class _Layout:
+    """Leaves placed one after the other, each at a multiple of _ALIGN_BYTES, in the order
+    `_encode` visits them: describing a plan and laying it out is one pass."""
+
+    __slots__ = ("placed", "total")
+
+    def __init__(self) -> None:
+        self.placed: list[tuple[Leaf, int]] = []
+        self.total = 0
+
+    def place(self, leaf: Leaf) -> int:
+        offset = self.total
+        self.placed.append((leaf, offset))
+        self.total = offset + -(-leaf.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        return offset
 
 
 class SlotSpace:
@@ -256,16 +274,13 @@ def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any,
     or does not fit what is left of the slot, token is 0 and the last field holds the
     batch's bytes (a bytearray, None when empty).
     """
-    offsets: dict[int, int] = {}
-    total = 0
-    leaves = list(iter_leaves(plan))
-    for leaf in leaves:
-        offsets[id(leaf)] = total
-        total += round_up(leaf.nbytes, _ALIGN_BYTES)
+    layout = _Layout()
+    encoded = _encode(plan, layout.place)
+    total = layout.total
     if total == 0:  # nothing to write (no tensors, or only empty ones): no memory needed
-        for leaf in leaves:
+        for leaf, _ in layout.placed:
             leaf.fill(torch.empty(leaf.shape, dtype=leaf.dtype))
-        return (0, 0, 0, _encode(plan, offsets), None)
+        return (0, 0, 0, encoded, None)
     inline: bytearray | None = None
     slot = space.slot if space is not None else None
     offset = space.offset if space is not None else 0
@@ -276,12 +291,12 @@ def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any,
     else:  # larger than any batch before (or no slot lent): the batch travels in the handle
         memory = inline = bytearray(total)
         start_at = offset = 0
-    for leaf in leaves:
-        out = _tensor_at(memory, start_at + offsets[id(leaf)], leaf.shape, leaf.dtype)
+    for leaf, at in layout.placed:
+        out = _tensor_at(memory, start_at + at, leaf.shape, leaf.dtype)
         leaf.fill(out)
         del out
     token = slot[2] if inline is None and slot is not None else 0
-    return (token, offset, total, _encode(plan, offsets), inline)
+    return (token, offset, total, encoded, inline)
 
 
 _TWINS: dict[torch.dtype, np.dtype[Any] | None] = {}
