@@ -103,9 +103,14 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
     return found
 
 
+_PLAIN_KINDS = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
 def _numeric_kind(items: Sequence[Any]) -> torch.dtype:
     """bool, int64, float64 or complex128, numpy-first: Python and numpy scalars mix freely."""
     kinds = set(map(type, items))
+    if len(kinds) == 1 and next(iter(kinds)) in _PLAIN_KINDS:  # the usual batch: one Python type
+        return _PLAIN_KINDS[next(iter(kinds))]
     if all(issubclass(kind, (bool, np.bool_)) for kind in kinds):
         return torch.bool
     if all(issubclass(kind, (int, np.integer, np.bool_)) for kind in kinds):
@@ -142,6 +147,7 @@ def _shape_error(shapes: list[tuple[int, ...]]) -> ValueError:
                       "gloader.batchify.Pad or give the DataLoader a batchify_fn that handles them")
 
 
+_NDARRAY_ONLY = {np.ndarray}
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -152,7 +158,7 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     Checks run at C speed (`set(map(...))`): this is per batch and per field in the worker.
     """
     kinds = set(map(type, items))
-    if any(issubclass(kind, torch.Tensor) for kind in kinds):
+    if kinds != _NDARRAY_ONLY and any(issubclass(kind, torch.Tensor) for kind in kinds):
         tensors = items if kinds == {torch.Tensor} else [torch.as_tensor(item) for item in items]
         shapes = set(map(_SHAPE, tensors))
         if len(shapes) != 1:
