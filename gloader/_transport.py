@@ -239,7 +239,7 @@ def _encode(plan: Any, offset_of: Callable[[Leaf], int]) -> Any:
     return ("D", [(key, _encode(item, offset_of)) for key, item in plan.items()])
 
 
-class _Layout:
+class _Placement:
     """Leaves placed one after the other, each at a multiple of _ALIGN_BYTES, in the order
     `_encode` visits them: describing a plan and laying it out is one pass."""
 
@@ -252,7 +252,7 @@ class _Layout:
     def place(self, leaf: Leaf) -> int:
         offset = self.total
         self.placed.append((leaf, offset))
-        self.total = offset + -(-leaf.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        self.total = offset + round_up(leaf.nbytes, _ALIGN_BYTES)
         return offset
 
 
@@ -274,11 +274,11 @@ def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any,
     or does not fit what is left of the slot, token is 0 and the last field holds the
     batch's bytes (a bytearray, None when empty).
     """
-    layout = _Layout()
-    encoded = _encode(plan, layout.place)
-    total = layout.total
+    placement = _Placement()
+    encoded = _encode(plan, placement.place)
+    total = placement.total
     if total == 0:  # nothing to write (no tensors, or only empty ones): no memory needed
-        for leaf, _ in layout.placed:
+        for leaf, _ in placement.placed:
             leaf.fill(torch.empty(leaf.shape, dtype=leaf.dtype))
         return (0, 0, 0, encoded, None)
     inline: bytearray | None = None
@@ -291,7 +291,7 @@ def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any,
     else:  # larger than any batch before (or no slot lent): the batch travels in the handle
         memory = inline = bytearray(total)
         start_at = offset = 0
-    for leaf, at in layout.placed:
+    for leaf, at in placement.placed:
         out = _tensor_at(memory, start_at + at, leaf.shape, leaf.dtype)
         leaf.fill(out)
         del out
