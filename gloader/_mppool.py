@@ -12,6 +12,7 @@ import select
 import socket
 import struct
 import termios
+import threading
 import time
 from typing import Any, Callable
 
@@ -280,17 +281,18 @@ def _make_queue_class() -> Any:
 
         class TrackedQueue(SimpleQueue):  # type: ignore[misc]
             def __init__(self, *, ctx: Any, lock_dir: str, name: str, atomic_reads: bool = False) -> None:
-                super().__init__(ctx=ctx)
-                # Workers read tasks and write results; the caller's threads do the rest
-                # without these locks (the pool's quick_put and quick_get), so those stay as they are.
-                if atomic_reads:  # the same framing over a socket pair, which a reader can peek into
-                    self._reader.close()  # type: ignore[has-type]
-                    self._writer.close()  # type: ignore[has-type]
-                    self._reader, self._writer = ctx.Pipe(duplex=True)
-                    self._poll = self._reader.poll
-                    self._rlock = ProcessLock(os.path.join(lock_dir, f"{name}.read.lock"))
-                elif self._wlock is not None:  # type: ignore[has-type]  # None where pipe writes are atomic (Windows)
-                    self._wlock = ProcessLock(os.path.join(lock_dir, f"{name}.write.lock"))
+                # Not SimpleQueue's own __init__: its two locks are semaphores, which under spawn and
+                # forkserver are named files in /dev/shm until the pool closes. A process group killed
+                # at once (`kill -9 -PGID`) left them there for good (its resource tracker dies with
+                # it); ProcessLocks are files of the pool's directory, which the next pool sweeps.
+                # Workers read tasks and write results; the caller's threads do the rest without
+                # these locks (the pool's quick_put and quick_get), so the other two are never taken.
+                # atomic_reads: the same framing over a socket pair, which a reader can peek into.
+                self._reader, self._writer = ctx.Pipe(duplex=atomic_reads)
+                self._poll = self._reader.poll
+                self._rlock = ProcessLock(os.path.join(lock_dir, f"{name}.read.lock"))
+                self._wlock = ProcessLock(os.path.join(lock_dir, f"{name}.write.lock"))
+                if not atomic_reads:
                     try:
                         fcntl.fcntl(self._writer.fileno(), fcntl.F_SETPIPE_SZ, _RESULT_PIPE_BYTES)
                     except (OSError, AttributeError):  # above the system's limit, or not Linux
@@ -339,14 +341,11 @@ def _make_queue_class() -> Any:
                 except Exception:
                     data = _ForkingPickler.dumps(obj)
                 try:
-                    if self._wlock is None:
-                        self._writer.send_bytes(data)
-                    else:
-                        message = _frame(data)
-                        if len(message) > self._pipe_bytes:  # it could not go in whole: a file takes it
-                            message = _frame(_spill(data, self._spill_dir))
-                        with self._wlock:
-                            _write_whole(self._writer.fileno(), message)
+                    message = _frame(data)
+                    if len(message) > self._pipe_bytes:  # it could not go in whole: a file takes it
+                        message = _frame(_spill(data, self._spill_dir))
+                    with self._wlock:
+                        _write_whole(self._writer.fileno(), message)
                 except (BrokenPipeError, ConnectionResetError):
                     if os.getpid() == self._creator:
                         raise
@@ -391,6 +390,7 @@ def make_pool_class() -> type:
     # Over 40 lines: one class body, built lazily so that importing gloader does not import
     # multiprocess's pool; its three overrides only make sense read together.
     from multiprocess import pool as mp_pool
+    from multiprocess.queues import SimpleQueue
 
     class _QuietCache(dict):  # type: ignore[type-arg]
         """`multiprocess.pool._PoolCache` that notifies on becoming empty only when closing."""
@@ -403,7 +403,29 @@ def make_pool_class() -> type:
             if self.closing and not self:
                 self.notifier.put(None)
 
+    class _CallerQueue(SimpleQueue):  # type: ignore[misc]
+        """The pool's change notifier, with thread locks: only the caller's threads use it."""
+
+        def __init__(self, ctx: Any) -> None:
+            self._reader, self._writer = ctx.Pipe(duplex=False)
+            self._poll = self._reader.poll
+            self._rlock = threading.Lock()
+            self._wlock = threading.Lock()
+
     class _FastPool(mp_pool.Pool):  # type: ignore[misc]
+        @property
+        def _change_notifier(self) -> Any:
+            return self._notifier
+
+        @_change_notifier.setter
+        def _change_notifier(self, made: Any) -> None:
+            # multiprocess makes it with the context's SimpleQueue, whose two semaphores are named
+            # files in /dev/shm under spawn and forkserver for the pool's life, left behind for
+            # good when the process group is killed at once. Replaced as it is set, before the
+            # pool's threads take it; its semaphores go with it (their finalizer removes the names).
+            made.close()
+            self._notifier = _CallerQueue(self._ctx)
+
         def __init__(self, *args: Any, lock_dir: str, **kwargs: Any) -> None:
             self._lock_dir = lock_dir  # where the queues' lock files live; _setup_queues runs inside __init__
             # Every worker process started, replacements included, until the supervisor takes it.

@@ -40,6 +40,13 @@ def dev_shm_names() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
 
 
+def semaphore_names() -> set[str]:
+    """The named semaphores in /dev/shm ("sem.*"): multiprocessing's, where a lock is made
+    under spawn or forkserver. A pool must not keep one: a process group killed at once leaves
+    it there for good (the resource tracker that would remove it dies with the group)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.")}
+
+
 def payload_dirs() -> set[str]:
     """The pool directories (locks, payloads of joining loaders) now in the temp directory."""
     import glob

@@ -20,7 +20,7 @@ import pytest
 
 from gloader import BatchTimeoutError, DataLoader, _pooldir
 from tests import _data
-from tests.conftest import dev_shm_names, payload_dirs, segment_sizes, wait_until
+from tests.conftest import dev_shm_names, payload_dirs, segment_sizes, semaphore_names, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -287,7 +287,7 @@ def test_killing_the_whole_process_group_leaves_nothing_behind(tmp_path, start_m
     # What `timeout`, a scheduler's cancel or `kill -- -PGID` do: caller and workers die at
     # once, so no exit hook and no watchdog runs anywhere. Shared memory goes with them; the
     # pool's directory of files goes with the next pool started.
-    names_before, dirs_before = dev_shm_names(), payload_dirs()
+    names_before, dirs_before, semaphores_before = dev_shm_names(), payload_dirs(), semaphore_names()
     with _run_script(tmp_path, f"""
         loader = DataLoader(np.zeros((512, 64, 64), np.uint8), batch_size=16, num_workers=2,
                             start_method={start_method!r})
@@ -303,6 +303,8 @@ def test_killing_the_whole_process_group_leaves_nothing_behind(tmp_path, start_m
         proc.wait(10)
         assert _gone(pids, 5.0)
     assert dev_shm_names() - names_before == set()
+    # Semaphores that other processes make for a moment go by themselves; a pool's would stay.
+    assert wait_until(lambda: not semaphore_names() - semaphores_before, 5.0), semaphore_names() - semaphores_before
     left = payload_dirs() - dirs_before
     assert len(left) == 1  # the killed pool's: nothing of it ran to remove it
     # The kernel lets go of a dead process's flock within a moment, not always at once.

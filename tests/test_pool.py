@@ -316,7 +316,7 @@ def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_w
         assert writer.exitcode == 0  # nobody reads yet: all it put in the pipe fitted
         assert 0 < _mppool._available(fd) <= select.PIPE_BUF  # one small message, written whole
         assert results._reader.recv() == big
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["results.write.lock"]  # the file is gone
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["results.read.lock", "results.write.lock"]  # the file is gone
     finally:
         _stop_writer(writer, results)
 
