@@ -536,25 +536,28 @@ def test_the_first_task_of_each_epoch_carries_one_batch_and_the_rest_whole_count
     with DataLoader(np.zeros((4000, 4), np.float32), batch_size=4, num_workers=2) as loader:
         list(loader)  # epoch 0 measures the batches: cheap and tiny, so later ones are grouped
         engine = loader._engine
-        per_task = engine.batches_per_task()
-        assert per_task >= 8
-        sent: list[tuple[int, int]] = []
+        assert engine.batches_per_task() >= 8
+        sent: list[tuple[int, int, int]] = []
         backend = engine._backend
         submit = backend.submit
 
         def spy(args: tuple, on_ready: object) -> object:
-            sent.append((args[1], len(args[2])))  # (epoch, batches in the task)
+            # (epoch, batches in the task, the whole count then: it follows the measured cost)
+            sent.append((args[1], len(args[2]), engine.batches_per_task()))
             return submit(args, on_ready)
 
         backend.submit = spy
         for _ in range(3):
             assert len(list(loader)) == 1000
+        del backend.submit, spy
     # Epoch 1 may have been dispatched in part before the spy, and epoch 3's end opened epoch 4.
-    assert {epoch for epoch, _ in sent} >= {2, 3}
+    assert {epoch for epoch, _, _ in sent} >= {2, 3}
     for epoch in (2, 3):
-        sizes = [count for e, count in sent if e == epoch]
-        assert sum(sizes) == 1000
-        assert sizes[0] == 1 and set(sizes[1:-1]) == {per_task} and 1 <= sizes[-1] <= per_task, sizes
+        tasks = [(count, whole) for e, count, whole in sent if e == epoch]
+        assert sum(count for count, _ in tasks) == 1000
+        assert tasks[0][0] == 1, tasks
+        assert all(count == whole for count, whole in tasks[1:-1]), tasks  # the epoch's last one: what is left
+        assert 1 <= tasks[-1][0] <= tasks[-1][1], tasks
 
 
 def test_large_batches_travel_one_to_a_task() -> None:
