@@ -17,9 +17,10 @@ results = bench.run(quick=True, rounds=1, only={"W1", "W2", "W3", "W4"})
 display(Markdown(bench.report(results)))
 
 # %%
-chart = os.path.join(tempfile.mkdtemp(), "bench.png")
-bench.plot(results, chart)
-display(Image(chart))
+with tempfile.TemporaryDirectory() as folder:  # the chart is read into the notebook, then removed
+    chart = os.path.join(folder, "bench.png")
+    bench.plot(results, chart)
+    display(Image(chart))
 
 # %% [markdown]
 # ## Is my training input-bound?
