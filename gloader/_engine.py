@@ -106,7 +106,8 @@ _HELD_WITH_DESCRIPTOR = 4
 # window held the old epoch's last whole task, still loading in the other worker, and small
 # tasks this one had finished, so it waited until that task was collected. W1 (781 batches an
 # epoch, 4 s each, 3 alternating runs): CPUs idle 1.7-3.0% of the time with the doubling,
-# 0.5-0.7% with one batch then the whole count (0.4-1.0% with whole tasks from the start).
+# 0.5-0.7% with one batch then the whole count (0.4-1.0% with whole tasks from the start); a
+# second series of the doubling against this: 2.0-2.5% and 0.2-1.2%.
 _TASK_TARGET_S = 0.02
 _MAX_BATCHES_PER_TASK = 32
 _TASK_BYTES = 1 << 20
