@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._tree import map_tensors
+from ._tree import map_structure, map_tensors
 
 __all__ = ["DevicePipeline", "PinThread", "pin_batch", "warn_if_cannot_pin"]
 
@@ -40,15 +40,24 @@ def warn_if_cannot_pin() -> None:
                       "ordinary (pageable) memory", RuntimeWarning, stacklevel=3)
 
 
+def _pin_leaf(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return leaf if leaf.is_pinned() else leaf.pin_memory()
+    pin = getattr(leaf, "pin_memory", None)  # a batch class of the user's own pins itself, as in torch
+    return pin() if callable(pin) else leaf
+
+
 def pin_batch(batch: Any) -> Any:
     """Return `batch` with every tensor in page-locked memory (unchanged without CUDA).
 
+    Lists, tuples and mappings are walked; any other object with a `pin_memory()` method (a
+    custom batch class, as torch's loader allows) is replaced by what that method returns.
     The memory is pinned for the calling thread's current CUDA device (the pin thread sets
     it to `pin_device_id`); torch deprecated naming the device in `Tensor.pin_memory`.
     """
     if not torch.cuda.is_available():
         return batch
-    return map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
+    return map_structure(_pin_leaf, batch)
 
 
 class DevicePipeline:

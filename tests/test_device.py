@@ -83,6 +83,16 @@ def test_pin_memory_pins_every_nested_tensor() -> None:
 
 @pytest.mark.cuda
 @needs_cuda
+def test_a_batch_class_with_its_own_pin_memory_is_pinned_on_the_device() -> None:
+    with DataLoader(np.arange(8, dtype=np.float32), batch_size=4, batchify_fn=_data.PinnableBatch,
+                    num_workers=2, pin_memory=True) as loader:
+        batches = list(loader)
+    assert all(b.pinned_by_its_method and b.inp.is_pinned() for b in batches)
+    assert torch.cat([b.inp for b in batches]).tolist() == list(range(8))
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("pin_memory", [False, True])
 def test_device_batches_arrive_on_cuda_equal_to_host_batches(pin_memory: bool) -> None:
     with DataLoader(_data.Records(), batch_size=4, num_workers=2, seed=1) as host_loader:
@@ -199,6 +209,19 @@ def test_pin_thread_pins_every_tensor_for_pin_device_id(monkeypatch: pytest.Monk
     assert pins.devices == [("gloader-pin", 1)]  # set once, in the pin thread, not in the caller
     tensors_per_batch = 6  # x, label, weight, flag and both of pair; the names pass through
     assert pins.pinned == tensors_per_batch * len(batches) and batches[0]["name"][0] == "item0"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_batch_class_with_its_own_pin_memory_is_pinned_through_it(monkeypatch: pytest.MonkeyPatch,
+                                                                    num_workers: int) -> None:
+    pins = _PinRecorder(monkeypatch)
+    with DataLoader(np.arange(8), batch_size=4, batchify_fn=_data.PinnableBatch, num_workers=num_workers,
+                    pin_memory=True) as loader:
+        batches = list(loader)
+    assert [b.pinned_by_its_method for b in batches] == [True, True] and pins.pinned == 2
+    assert torch.cat([b.inp for b in batches]).tolist() == list(range(8))
+    with DataLoader(np.arange(8), batch_size=4, batchify_fn=_data.PinnableBatch, num_workers=num_workers) as loader:
+        assert not any(b.pinned_by_its_method for b in loader)
 
 
 def test_cuda_indices_beyond_the_machine_are_rejected_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
