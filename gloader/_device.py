@@ -8,22 +8,28 @@ flow is drawn in `_engine`.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ._tree import map_structure, map_tensors
 
-__all__ = ["DevicePipeline", "PinThread", "pin_batch", "warn_if_cannot_pin"]
+__all__ = ["DEVICE_STAGE_HOLDS", "PIN_THREAD_HOLDS", "DevicePipeline", "PinThread", "pin_batch", "register_for_device", "warn_if_cannot_pin"]
 
 # Pinned batches the pin thread keeps ready ahead of the caller. Larger: smooths bursts of
 # slow batches; smaller: less pinned (page-locked) memory held.
 _PIN_AHEAD = 2
+# Host batches the pin thread holds at most: those ready in its queue and the one it is putting.
+PIN_THREAD_HOLDS = _PIN_AHEAD + 1
+# Host batches the device stage holds: the one copying ahead, and the one handed over whose
+# copy it has not yet seen end.
+DEVICE_STAGE_HOLDS = 2
 # How often the pin thread and the caller wake up while waiting, to notice stop requests
 # and a dropped iterator. Shorter: faster stop; longer: fewer wake-ups.
 _PIN_POLL_S = 0.05
@@ -60,8 +66,36 @@ def pin_batch(batch: Any) -> Any:
     return map_structure(_pin_leaf, batch)
 
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
+
+
+def register_for_device(device: torch.device, address: int, size: int) -> Callable[[], None] | None:
+    """Page-lock a shared-memory slot's mapping for CUDA (cudaHostRegister), so that batches
+    written into it are copied to the device by DMA straight from the slot (~48 GB/s on an
+    H100, against ~7 GB/s for first copying them into pinned memory on one thread). Returns
+    what unregisters it, or None where registering failed (the copy then stages, as for any
+    pageable memory). Only for the device stage: it keeps the slot's batch until the copy has
+    ended (DevicePipeline), which torch cannot do for user copies from registered memory."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch lacks stubs here
+    with torch.cuda.device(device):  # whichever thread lends the slot: no context made on another device
+        error = cudart.cudaHostRegister(address, size, _HOST_REGISTER_PORTABLE)
+    if error != cudart.cudaError.success:
+        logger.debug("cudaHostRegister of a %d-byte slot failed (%s); its batches are copied from pageable memory",
+                     size, error)
+        return None
+
+    def unregister() -> None:
+        cudart.cudaHostUnregister(address)
+
+    return unregister
+
+
 class DevicePipeline:
     """Moves host batches to `device`, one batch ahead, on a side stream.
+
+    A host batch is kept until its copy has ended: its slot may be page-locked
+    (`register_for_device`) and copied from directly, and freeing the batch lends the slot
+    to a worker, which must not overwrite it while the copy still reads it.
 
     Args:
         device: the CUDA device.
@@ -70,14 +104,27 @@ class DevicePipeline:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch lacks stubs here
+        self._copying: collections.deque[tuple[Any, Any]] = collections.deque()  # (event, host batch)
 
     def to_device(self, batch: Any) -> tuple[Any, Any]:
         """Start copying `batch`; returns (device batch, event that marks the copy's end)."""
+        self._forget_copied()
         with torch.cuda.stream(self._stream):
             moved = map_tensors(lambda t: t.to(self._device, non_blocking=True), batch)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch lacks stubs here
             event.record(self._stream)
+        self._copying.append((event, batch))
         return moved, event
+
+    def _forget_copied(self) -> None:
+        while self._copying and self._copying[0][0].query():
+            self._copying.popleft()
+
+    def settle(self) -> None:
+        """Wait for the copies under way and let their host batches go (on close)."""
+        while self._copying:
+            event, _ = self._copying.popleft()
+            event.synchronize()
 
     def hand_over(self, moved: Any, event: Any) -> Any:
         """Make the caller's current stream wait for the copy, and return the batch.
@@ -85,6 +132,7 @@ class DevicePipeline:
         `record_stream` tells the caching allocator that the caller's stream uses the memory,
         so it is not given to another tensor while the caller's kernels still read it.
         """
+        self._forget_copied()
         current = torch.cuda.current_stream(self._device)
         current.wait_event(event)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -40,6 +41,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
+from ._device import DEVICE_STAGE_HOLDS, PIN_THREAD_HOLDS, register_for_device
 from ._mppool import ATOMIC_TASK_BYTES
 from ._options import LoaderConfig
 from ._pool import PoolCore
@@ -232,7 +234,16 @@ def _start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], 
         pickled = not config.thread_pool and start_method != "fork"
         core = PoolCore(config.num_workers, config.thread_pool, config.start_method,
                         [(loader_id, make_payload(pickled))])
-    slots = None if config.thread_pool else SlotPool(_SPARE_SLOTS, config.prefetch + _SPARE_SLOTS + _HELD_WITH_DESCRIPTOR)
+    # With a CUDA device, slots are page-locked for it: the device stage copies a batch straight
+    # from its slot, with no copy into pinned memory first (see _device.register_for_device).
+    register = (functools.partial(register_for_device, config.device)
+                if config.device is not None and config.device_reads_slots else None)
+    # The pin thread and the device stage hold batches between the window and the caller, a
+    # number that swings as they fill and drain: spares cover it, or each swing retires slots
+    # the next one makes again (W2 batches with the pin thread: 23 new slots in 192 batches).
+    spare = _SPARE_SLOTS + (PIN_THREAD_HOLDS if config.pin_thread else 0) + \
+        (DEVICE_STAGE_HOLDS if config.device is not None else 0)
+    slots = None if config.thread_pool else SlotPool(spare, config.prefetch + spare + _HELD_WITH_DESCRIPTOR, register)
     return _OnPool(core, config.pool is None, loader_id, slots)
 
 

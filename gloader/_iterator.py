@@ -224,7 +224,7 @@ class EpochIterator:
                       f"delivered {samples} samples by its batch {self.yielded}.{cause}", UserWarning, stacklevel=3)
 
     def _host_batch(self) -> Any:
-        if not self._config.pin_memory:
+        if not self._config.pin_thread:
             return self._host.next()
         if self._pinner is None:
             self._pinner = PinThread(self, self._config.pin_device_id, self._config.timeout_s)

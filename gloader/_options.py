@@ -80,6 +80,17 @@ class LoaderConfig:
     persistent_workers: bool
 
     @property
+    def device_reads_slots(self) -> bool:
+        """Batches reach a CUDA device straight from their page-locked shared-memory slots
+        (process workers and a device): no pinning copy, so no pin thread either."""
+        return self.device is not None and self.num_workers > 0 and not self.thread_pool
+
+    @property
+    def pin_thread(self) -> bool:
+        """Batches are pinned in a background thread before the caller (or the device stage) gets them."""
+        return self.pin_memory and not self.device_reads_slots
+
+    @property
     def prefetch_factor(self) -> int | None:
         """torch's name: batches in flight per worker (None without workers)."""
         return self.prefetch // self.num_workers if self.num_workers else None

@@ -101,7 +101,18 @@ def _libc() -> Any:
     return _LIBC
 
 
-def _map_fd(fd: int, size: int) -> Segment:
+# Registers a mapping with a device (address, bytes) so that copies from it need no staging;
+# returns what undoes that (called before the mapping goes), or None where it did not register.
+Register = Callable[[int, int], Callable[[], None] | None]
+
+
+def _unmap(address: int, size: int, unregister: Callable[[], None] | None) -> None:
+    if unregister is not None:
+        unregister()
+    _libc().munmap(address, size)
+
+
+def _map_fd(fd: int, size: int, register: Register | None = None) -> Segment:
     """Map `size` bytes of `fd` shared, keeping no file descriptor.
 
     Python's mmap.mmap duplicates the descriptor and keeps it while mapped: one fd per batch
@@ -119,7 +130,8 @@ def _map_fd(fd: int, size: int) -> Segment:
     # must not inherit the mapping: it would keep the memory of batches long dropped.
     libc.madvise(address, size, _MADV_DONTFORK)
     segment = (ctypes.c_ubyte * size).from_address(address)
-    weakref.finalize(segment, libc.munmap, address, size).atexit = False  # views may outlive exit hooks
+    unregister = register(address, size) if register is not None else None
+    weakref.finalize(segment, _unmap, address, size, unregister).atexit = False  # views may outlive exit hooks
     return segment
 
 
@@ -129,9 +141,10 @@ def _out_of_memory(needed: int, exc: OSError) -> OSError:
                               "reached; lower prefetch or batch_size, or raise the limit")
 
 
-def _create_segment(size: int, reserve: bool = True) -> tuple[int, Segment]:
+def _create_segment(size: int, reserve: bool = True, register: Register | None = None) -> tuple[int, Segment]:
     """A new anonymous segment of `size` bytes: (its descriptor, its mapping). Unless
-    `reserve` is False (a probe slot), its pages are reserved at once."""
+    `reserve` is False (a probe slot), its pages are reserved at once; `register` is given
+    the mapping (see Register)."""
     fd = os.memfd_create(_SEGMENT_NAME, os.MFD_CLOEXEC)
     try:
         # Reserve the pages now: running out of memory then fails here with an error instead
@@ -145,7 +158,7 @@ def _create_segment(size: int, reserve: bool = True) -> tuple[int, Segment]:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise _out_of_memory(size, exc) from exc
             raise
-        return fd, _map_fd(fd, size)
+        return fd, _map_fd(fd, size, register)
     except BaseException:
         os.close(fd)
         raise
@@ -398,9 +411,13 @@ class SlotPool:
         max_descriptors: slots that keep the descriptor workers map them by. A slot whose
             batch the user holds beyond that many gives its descriptor up and is retired
             when released, so holding 10,000 batches needs no more descriptors than this.
+        register: given each new slot's mapping (not a probe's: only its written pages are
+            memory), e.g. to page-lock it for a CUDA device so batches are copied to the device
+            straight from the slot. Undone just before the mapping goes.
     """
 
-    def __init__(self, max_spare: int, max_descriptors: int) -> None:
+    def __init__(self, max_spare: int, max_descriptors: int, register: Register | None = None) -> None:
+        self._register = register
         self._max_spare = max_spare
         self._max_descriptors = max_descriptors
         # Re-entrant: a batch freed by the garbage collector while this thread holds the lock
@@ -438,7 +455,7 @@ class SlotPool:
             self._most_batches = max(self._most_batches, batches, most)
             room = self._most_batches * round_up(self._size_hint, _ALIGN_BYTES)
         size = round_up(_HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
-        made = _Lendable(*_create_segment(size))
+        made = _Lendable(*_create_segment(size, register=self._register))
         with self._lock:
             return self._adopt(made, batches)
 

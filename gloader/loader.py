@@ -288,6 +288,8 @@ class DataLoader(Generic[_T_co]):
         self._end_iterator("close")
         self._finalizer.detach()
         self._engine.close()
+        if self._device is not None:
+            self._device.settle()
 
     def __enter__(self) -> DataLoader[_T_co]:
         return self

@@ -123,6 +123,40 @@ def test_growing_batches_replace_small_slots_and_surplus_is_retired(slots) -> No
     pool.give_back(slot, None)
 
 
+def test_a_registered_slot_is_registered_once_and_unregistered_while_still_mapped() -> None:
+    import ctypes
+
+    log: list[tuple[str, int, int]] = []
+
+    def register(address: int, size: int) -> Any:
+        log.append(("register", address, size))
+
+        def unregister() -> None:  # reads the slot's header: a crash here if it were unmapped already
+            log.append(("unregister", address, ctypes.c_uint64.from_address(address).value))
+
+        return unregister
+
+    pool, maps = SlotPool(max_spare=2, max_descriptors=8, register=register), SlotMaps(8)
+    _round_trip(batchify.default_batchify_fn, [np.ones(256)] * 4, pool, maps)  # a probe slot: never registered
+    gc.collect()
+    assert log == []
+    batches = [_round_trip(batchify.default_batchify_fn, [np.full(256, float(i))] * 4, pool, maps) for i in range(3)]
+    tokens = {slot.token: len(slot.segment) for slot in pool._slots.values()}
+    assert sorted(size for kind, _, size in log) == sorted(tokens.values()) and len(log) == 3
+    del batches
+    gc.collect()
+    for i in range(6):  # reused slots are not registered again
+        assert (_round_trip(batchify.default_batchify_fn, [np.full(256, float(i))] * 4, pool, maps) == i).all()
+    assert [kind for kind, _, _ in log].count("register") == 3  # (a slot beyond max_spare was retired)
+    maps.close()
+    pool.close()
+    gc.collect()
+    unregistered = [(address, token) for kind, address, token in log if kind == "unregister"]
+    assert sorted(address for address, _ in unregistered) == sorted(address for kind, address, _ in log
+                                                                     if kind == "register")
+    assert {token for _, token in unregistered} == set(tokens)
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_workers_reuse_slots_in_steady_state_and_held_batches_survive(start_method: str) -> None:
     with DataLoader(np.arange(4096, dtype=np.float32).reshape(512, 8), batch_size=16, num_workers=2,
