@@ -39,7 +39,7 @@ def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
     if not torch.cuda.is_available():
         assert "W7 host-to-device: skipped (no CUDA device)" in done.stdout
     else:
-        assert "| W7 W2 batches to " in done.stdout and "| pin_memory + device |" in done.stdout
+        assert "| W7 W2 batches to " in done.stdout and "| pin_memory + device, 2 workers |" in done.stdout
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -53,10 +53,19 @@ def test_bad_arguments_exit_with_a_message(argv: list[str], says: str, capsys: p
     assert info.value.code == 2 and re.search(says, capsys.readouterr().err)
 
 
-def test_device_report_gives_medians_and_the_median_ratio() -> None:
-    lines = report_device({"W7": {"device": "GPU X", "gloader": [10.0, 12.0, 11.0], "torch": [5.0, 4.0, 5.5]}})
+def test_device_report_gives_medians_the_median_ratios_and_the_shares_of_both_ceilings() -> None:
+    lines = report_device({"W7": {"device": "GPU X", "copy_loop": [20.0, 22.0, 24.0, 30.0, 18.0, 22.0],
+                                  "workers": {"2": {"gloader": [10.0, 12.0, 11.0], "torch": [5.0, 4.0, 5.5],
+                                                    "gloader_host": [10.0, 12.0, 22.0]},
+                                              "8": {"gloader": [20.0, 18.0, 19.0], "torch": [19.0, 18.0, 20.0],
+                                                    "gloader_host": [20.0, 20.0, 20.0]}}}})
     assert lines[1].startswith("| W7 W2 batches to GPU X |")
-    assert lines[3] == "| pin_memory + device | 11.00 (10.00-12.00) | 5.00 (4.00-5.50) | 2.00x |"  # ratios 2, 3, 2
+    # ratios 2, 3, 2 -> 2.00x; plain loop's median 22 -> 11/22 = 0.50x; host-only ratios 1, 1, 0.5 -> 1.00x
+    assert lines[3] == ("| pin_memory + device, 2 workers | 11.00 (10.00-12.00) | 5.00 (4.00-5.50) | 2.00x | 0.50x | "
+                        "12.00 (10.00-22.00) | 1.00x |")
+    assert lines[4] == ("| pin_memory + device, 8 workers | 19.00 (18.00-20.00) | 19.00 (18.00-20.00) | 1.00x | 0.86x | "
+                        "20.00 (20.00-20.00) | 0.95x |")
+    assert lines[5].startswith("| plain loop copying one pinned batch") and "22.00 (18.00-30.00)" in lines[5]
 
 
 def test_huggingface_workload_is_skipped_with_a_message_without_the_datasets_package(monkeypatch) -> None:
