@@ -2,7 +2,8 @@
 
 Runs in the caller's process only; workers never touch CUDA (a forked worker cannot use a
 CUDA context created before the fork, and spawned ones would each pay for a context).
-`DevicePipeline` copies batch k+1 on a dedicated stream while the caller works on batch k;
+`DevicePipeline` copies batch k+1 on a dedicated stream while the caller works on batch k
+(from its page-locked slot, `register_for_device`, where process workers wrote it);
 the caller's current stream waits on that copy before the batch is handed over. The whole
 flow is drawn in `_engine`.
 """

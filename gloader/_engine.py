@@ -20,7 +20,8 @@ The whole flow, with who runs each step::
         its batches one by one:
         SlotPool.rebuild(slot, handle) -> tensors viewing the slot (zero copy)  (_transport)
         WorkerFailure.reraise() -> the worker's exception, as its own type   (_protocol)
-    EpochIterator: [pin, in its pin thread] -> [to(device) on a side stream] (_device)
+    EpochIterator: [pin, in its pin thread] -> [to(device) on a side stream] (_device); with a
+        device and process workers, slots are page-locked and there is no pin thread
         -> the user, counting what it hands over (state_dict, stats)        (_iterator)
     the slot is free again when the last tensor of its last batch is freed
 
