@@ -78,6 +78,8 @@ class LoaderConfig:
     # the dataset for the loader's life, as torch's persistent workers do (torch's own tests
     # assert it), where False (the default) restarts them when the dataset changed.
     persistent_workers: bool
+    # torch's multiprocessing_context when a context object was given (its name is start_method).
+    mp_context: Any = None
 
     @property
     def device_reads_slots(self) -> bool:
@@ -147,7 +149,8 @@ class LoaderConfig:
                    pool=pool, progress=check_flag("progress", progress), batch_size=plan.batch_size,
                    sampler=plan.sampler, drop_last=plan.drop_last, generator=generator,
                    in_order=check_flag("in_order", in_order), stream_batches=plan.stream_batches,
-                   persistent_workers=persistent)
+                   persistent_workers=persistent,
+                   mp_context=None if isinstance(multiprocessing_context, str) else multiprocessing_context)
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:
@@ -163,7 +166,9 @@ def _merge_drop_last(last_batch: Any, drop_last: Any) -> Any:
         return last_batch
     drop_last = check_flag("drop_last", drop_last, none_means=False)  # None was taken above; named as allowed
     _one_of("last_batch", last_batch, "drop_last", drop_last)  # the error names what the user passed
-    return "discard" if drop_last else "keep"
+    # drop_last=False is torch's default, 'keep' left unsaid: no clash beside a batch_sampler,
+    # where torch accepts it (and tools that rebuild a loader pass it)
+    return "discard" if drop_last else None
 
 
 def _context_name(context: Any) -> str | None:

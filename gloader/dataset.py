@@ -2,12 +2,15 @@
 
 Any object with `__getitem__` and `__len__` (a list, a numpy array, a torch tensor, a
 `torch.utils.data.Dataset`) can be given to a DataLoader directly; these classes add Gluon's
-lazy transforms. Every wrapper is a module-level class so that workers can unpickle it.
-Nothing here starts a process or touches CUDA.
+lazy transforms. They are torch's `Dataset` and `IterableDataset` too, so `a + b` and torch's
+`ConcatDataset`/`ChainDataset` work with them. Every wrapper is a module-level class so that
+workers can unpickle it. Nothing here starts a process or touches CUDA.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+
+import torch.utils.data as torch_data
 
 from .sampler import dataset_length
 
@@ -16,7 +19,7 @@ __all__ = ["ArrayDataset", "Dataset", "IterableDataset", "SimpleDataset"]
 _T_co = TypeVar("_T_co", covariant=True)
 
 
-class Dataset(Generic[_T_co]):
+class Dataset(torch_data.Dataset[_T_co]):
     """Base class of map-style datasets: subclasses implement `__getitem__` and `__len__`.
 
     Generic in its sample type, as torch's is: `class Images(gloader.Dataset[Tensor])`.
@@ -128,7 +131,7 @@ class ArrayDataset(Dataset[Any]):
         return tuple(a[idx] for a in self._data)
 
 
-class IterableDataset(Generic[_T_co]):
+class IterableDataset(torch_data.IterableDataset[_T_co]):
     """Base class of stream datasets: subclasses implement `__iter__` only (generic in the
     sample type). A `torch.utils.data.IterableDataset` is a stream too.
 

@@ -11,7 +11,9 @@ import itertools
 import logging
 import warnings
 import weakref
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch.utils.data as torch_data
 
 from . import _pool
 from ._checks import check_flag
@@ -60,8 +62,19 @@ class _FromConfig:
         raise _read_only(self._name, loader)
 
 
-class DataLoader(Generic[_T_co]):
+# Attributes a torch DataLoader keeps in its instance dict, which tools read through vars()
+# to build the loader again (Lightning, to put in a DistributedSampler); also the Gluon
+# arguments with no torch name, so a loader built again keeps them.
+_IN_VARS = ("dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "num_workers", "pin_memory",
+            "timeout", "worker_init_fn", "prefetch_factor", "collate_fn", "generator", "persistent_workers",
+            "in_order", "pin_memory_device", "pin_device_id", "device", "seed", "thread_pool", "pool", "progress")
+
+
+class DataLoader(torch_data.DataLoader[_T_co]):
     """Loads batches from a dataset, in-process or on a persistent pool of workers.
+
+    A `torch.utils.data.DataLoader` to code that checks (`isinstance`), with its attributes;
+    none of torch's loading machinery runs.
 
     Args:
         dataset: any object with `__getitem__` and `__len__` (list, numpy array, tensor,
@@ -146,12 +159,13 @@ class DataLoader(Generic[_T_co]):
         self._finalizer = weakref.finalize(self, _close_unreferenced, self._engine, self._latest)
         self._device = DevicePipeline(config.device) if config.device is not None else None
         self._stats = PipelineStats()
-        self._iterator: EpochIterator | None = None
+        self._epoch_iter: EpochIterator | None = None
         self._reported_samples: int | None = None  # a stream's len(dataset), once len(loader) was taken
         self._closed = False
         if config.pin_memory:
             warn_if_cannot_pin()
         _pool.track(self._engine)
+        self.__dict__.update({name: getattr(self, name) for name in _IN_VARS})  # read through the properties
 
     # torch's DataLoader attributes, read-only (the loader is built from them once).
     dataset = _FromConfig("dataset", "The dataset batches are loaded from.")
@@ -168,8 +182,42 @@ class DataLoader(Generic[_T_co]):
     generator = _FromConfig("generator", "The torch.Generator the seed was drawn from, if one was given.")
     persistent_workers = _FromConfig("persistent_workers", "As given (False by default). Workers persist either way; "
                                                            "True also keeps their copy of the dataset, unchanged.")
-    multiprocessing_context = _FromConfig("start_method", "The start method of the worker processes.")
     in_order = _FromConfig("in_order", "Whether batches come in sampler order (False: a ready batch may go first).")
+    pin_device_id = _FromConfig("pin_device_id", "The CUDA device pinned memory is meant for.")
+    device = _FromConfig("device", "The CUDA device batches are moved to (None: they stay on the host).")
+    seed = _FromConfig("seed", "The seed given (None: drawn from torch's default generator).")
+    thread_pool = _FromConfig("thread_pool", "Whether the workers are threads of this process.")
+    pool = _FromConfig("pool", "The shared WorkerPool the loader runs on, if one was given.")
+    progress = _FromConfig("progress", "Whether a progress bar is shown.")
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        """The context object given as multiprocessing_context, else the start method's name
+        (None: the platform's default)."""
+        return self._options.mp_context if self._options.mp_context is not None else self._options.start_method
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, value: Any) -> None:
+        raise _read_only("multiprocessing_context", self)
+
+    @property
+    def pin_memory_device(self) -> str:
+        """torch's attribute: '' (the pin thread's device is `pin_device_id`)."""
+        return ""
+
+    @pin_memory_device.setter
+    def pin_memory_device(self, value: str) -> None:
+        raise _read_only("pin_memory_device", self)
+
+    @property
+    def _auto_collation(self) -> bool:
+        """torch's: whether batches are made from lists of indices (batch_size or batch_sampler)."""
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        """torch's: what yields each batch's keys (the batch sampler, or the sampler unbatched)."""
+        return self.batch_sampler if self._auto_collation else self.sampler
 
     @property
     def batch_sampler(self) -> Any:
@@ -183,10 +231,10 @@ class DataLoader(Generic[_T_co]):
     def batch_sampler(self, value: Any) -> None:
         raise _read_only("batch_sampler", self)
 
-    def __iter__(self) -> Iterator[_T_co]:
+    def __iter__(self) -> Iterator[_T_co]:  # type: ignore[override]  # torch's returns its own iterator type
         if self._closed:
             raise RuntimeError("this DataLoader is closed; create a new one")
-        previous = self._iterator
+        previous = self._epoch_iter
         if previous is not None and previous.untouched:
             previous.stop("a newer iter(loader)", keep_epoch=True)
             epoch = previous.epoch  # a probe does not use up an epoch; its batches in flight serve on
@@ -194,11 +242,11 @@ class DataLoader(Generic[_T_co]):
             self._end_iterator("a newer iter(loader)")
             self._follow_dataset_changes()
             epoch = self._schedule.open()
-        self._iterator = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options,
+        self._epoch_iter = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options,
                                        self._device)
-        self._latest.ref = weakref.ref(self._iterator)
-        self._iterator.reported_samples = self._reported_samples
-        return self._iterator
+        self._latest.ref = weakref.ref(self._epoch_iter)
+        self._epoch_iter.reported_samples = self._reported_samples
+        return self._epoch_iter
 
     def _follow_dataset_changes(self) -> None:
         """Let the epoch about to start see changes the caller made to the dataset since the
@@ -220,11 +268,11 @@ class DataLoader(Generic[_T_co]):
                       RuntimeWarning, stacklevel=3)
 
     def _end_iterator(self, reason: str) -> None:
-        if self._iterator is not None:
-            self._iterator.stop(reason)
+        if self._epoch_iter is not None:
+            self._epoch_iter.stop(reason)
 
     def _served(self) -> tuple[Any, int, bool]:
-        it = self._iterator
+        it = self._epoch_iter
         return (None, 0, False) if it is None else (it.epoch, it.yielded, it.finished)
 
     def __len__(self) -> int:
@@ -233,8 +281,8 @@ class DataLoader(Generic[_T_co]):
                 raise TypeError("a DataLoader over an IterableDataset has no length: the stream decides when "
                                 "it ends (give the dataset __len__ for torch's estimate)")
             self._reported_samples = len(self._options.dataset)  # epochs that outrun it warn from now on
-            if self._iterator is not None and not self._iterator.finished:
-                self._iterator.reported_samples = self._reported_samples
+            if self._epoch_iter is not None and not self._epoch_iter.finished:
+                self._epoch_iter.reported_samples = self._reported_samples
             return self._options.stream_batches
         length = self._schedule.length(self._served()[0], self._served()[2])
         if length is None:
@@ -273,7 +321,7 @@ class DataLoader(Generic[_T_co]):
                 impossible value (naming the field).
         """
         self._end_iterator("load_state_dict")
-        self._iterator = None
+        self._epoch_iter = None
         self._engine.discard()
         self._schedule.load_state_dict(state)
 

@@ -1,7 +1,10 @@
 """Samplers: which sample indices make up an epoch, and how they are grouped into batches.
 
 Gluon's samplers with Gluon's semantics, plus resumable state (`state_dict`) and a
-`DistributedSampler` for torch.distributed. Nothing here starts a process or touches CUDA.
+`DistributedSampler` for torch.distributed. Each is also an instance of torch's sampler of the
+same kind (`isinstance(s, torch.utils.data.RandomSampler)`), so tools that look for those
+(Lightning's shuffle detection and sampler injection) see them for what they are; torch's
+constructors are not used. Nothing here starts a process or touches CUDA.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import itertools
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import torch.utils.data as torch_data
 
 from ._checks import check_flag, check_last_batch, check_positive_int
 from ._math import ceil_div
@@ -36,7 +40,7 @@ def dataset_length(dataset: Any) -> int:
                         "give it __len__, or use gloader.IterableDataset for a stream") from None
 
 
-class Sampler:
+class Sampler(torch_data.Sampler[Any]):
     """Base class of samplers: iterate over sample indices (or batches of them).
 
     Subclasses implement `__iter__` and `__len__`; `state_dict`/`load_state_dict` may be
@@ -57,7 +61,7 @@ class Sampler:
         """Restore state returned by `state_dict`."""
 
 
-class SequentialSampler(Sampler):
+class SequentialSampler(Sampler, torch_data.SequentialSampler):
     """Yields `start, start+1, ..., start+length-1`.
 
     Args:
@@ -68,6 +72,7 @@ class SequentialSampler(Sampler):
     def __init__(self, length: int, start: int = 0) -> None:
         self._length = _check_length(length)
         self._start = int(start)
+        self.data_source = range(self._start, self._start + self._length)  # torch's attribute
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self._start, self._start + self._length))
@@ -83,7 +88,7 @@ class SequentialSampler(Sampler):
         return self._length
 
 
-class RandomSampler(Sampler):
+class RandomSampler(Sampler, torch_data.RandomSampler):
     """Yields a fresh permutation of `range(length)` every epoch.
 
     Epoch `e` uses a generator seeded from `(seed, e)`, so a seeded sampler gives the same
@@ -100,6 +105,8 @@ class RandomSampler(Sampler):
             seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1))
         self._seed = int(seed)
         self._epoch = 0
+        # torch's attributes: a permutation of every index, without replacement.
+        self.data_source, self.replacement, self._num_samples, self.generator = range(self._length), False, None, None
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices().tolist())
@@ -169,7 +176,7 @@ class FilterSampler(Sampler):
         return len(self._indices)
 
 
-class BatchSampler(Sampler):
+class BatchSampler(Sampler, torch_data.BatchSampler):
     """Groups the indices of `sampler` into lists of `batch_size`.
 
     Args:
@@ -178,24 +185,32 @@ class BatchSampler(Sampler):
         last_batch: what happens to a final batch shorter than `batch_size`: 'keep' yields it,
             'discard' drops it, 'rollover' carries its indices into the front of the next epoch
             (and `len()` counts them). None means 'keep'.
+        drop_last: torch's name: True is 'discard', False 'keep' (not with last_batch).
     """
 
-    def __init__(self, sampler: Any, batch_size: int, last_batch: str | None = "keep") -> None:
+    def __init__(self, sampler: Any, batch_size: int, last_batch: str | None = "keep", *,
+                 drop_last: bool | None = None) -> None:
         if not hasattr(sampler, "__iter__"):
             raise TypeError(f"sampler must be an iterable of sample keys (a Sampler, a list of indices), got "
                             f"{sampler!r:.80}")
+        if drop_last is not None:
+            drop = check_flag("drop_last", drop_last)
+            if last_batch not in (None, "keep"):
+                raise ValueError(f"last_batch={last_batch!r} and drop_last={drop_last!r} are the same setting "
+                                 "(Gluon's and torch's name for it); pass only one")
+            last_batch = "discard" if drop else "keep"
         self._sampler = sampler
         self._batch_size = check_positive_int("batch_size", batch_size)
         self._last_batch = check_last_batch(last_batch)
         self._prev: list[Any] = []
 
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> Any:  # type: ignore[override]  # read-only here; an attribute in torch's
         """The sampler whose indices this one groups."""
         return self._sampler
 
     @property
-    def batch_size(self) -> int:
+    def batch_size(self) -> int:  # type: ignore[override]  # read-only here; an attribute in torch's
         return self._batch_size
 
     @property
@@ -203,7 +218,7 @@ class BatchSampler(Sampler):
         return self._last_batch
 
     @property
-    def drop_last(self) -> bool:
+    def drop_last(self) -> bool:  # type: ignore[override]  # read-only here; an attribute in torch's
         """torch's name: whether a short last batch is dropped ('discard')."""
         return self._last_batch == "discard"
 
@@ -288,7 +303,7 @@ def _default_distributed(name: str) -> int:
     return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
 
 
-class DistributedSampler(Sampler):
+class DistributedSampler(Sampler, torch_data.DistributedSampler[Any]):
     """Yields this rank's share of `range(length)`, the same count on every rank.
 
     All ranks draw the same permutation for a given `(seed, epoch)` and take every

@@ -2,6 +2,7 @@
 attributes, unbatched mode, randomness, streams, resume lengths and warnings."""
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import random
 import warnings
@@ -46,10 +47,14 @@ def test_torch_keyword_names_work_and_a_clash_with_the_gluon_name_names_both() -
     def first_only(samples: list[Any]) -> Any:
         return samples[0]
 
+    context = multiprocessing.get_context("spawn")
     with DataLoader(list(range(5)), batch_size=2, collate_fn=first_only, drop_last=True, num_workers=1,
-                    multiprocessing_context=multiprocessing.get_context("spawn"), persistent_workers=True,
+                    multiprocessing_context=context, persistent_workers=True,
                     in_order=False) as loader:
-        assert list(loader) == [0, 2] and loader.multiprocessing_context == "spawn"
+        assert list(loader) == [0, 2]
+        assert loader.multiprocessing_context is context  # the object given, as torch keeps it
+    with DataLoader(list(range(5)), batch_size=2, num_workers=1, multiprocessing_context="spawn") as loader:
+        assert loader.multiprocessing_context == "spawn"
     for kwargs, match in (({"collate_fn": first_only, "batchify_fn": first_only}, "batchify_fn=.* and collate_fn="),
                           ({"drop_last": True, "last_batch": "keep"}, "last_batch='keep' and drop_last=True"),
                           ({"num_workers": 1, "prefetch": 2, "prefetch_factor": 2}, "prefetch=2 and prefetch_factor=2"),
@@ -287,3 +292,80 @@ def test_in_order_false_lets_a_streams_ready_shard_go_ahead_of_a_slow_one() -> N
         got += [batch.tolist() for batch in it]
     assert got[:2] == [[0, 2], [4, 6]]
     assert sorted(sum(got, [])) == list(range(12)) and len(got) == 6
+
+
+def _rebuild_with_sampler(loader: Any, sampler: Any) -> Any:
+    """What Lightning does to put a DistributedSampler into a torch DataLoader it did not build
+    (its unwrapped path): read the loader's instance attributes and __init__ signature, keep
+    what differs from the defaults, swap the sampler in, and call the class again."""
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    attrs = {k: v for k, v in vars(loader).items() if not k.startswith("_")}
+    attrs["multiprocessing_context"] = loader.multiprocessing_context
+    params = dict(inspect.signature(loader.__init__).parameters)
+    kwargs = {k: v for k, v in attrs.items() if k in params and (params[k].default is not v or k == "dataset")}
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not torch.utils.data.BatchSampler:
+        batch_sampler = type(batch_sampler)(sampler, batch_size=batch_sampler.batch_size,
+                                            drop_last=batch_sampler.drop_last)
+        kwargs.update(sampler=None, shuffle=False, batch_sampler=batch_sampler, batch_size=1, drop_last=False)
+    else:
+        kwargs.update(sampler=sampler, shuffle=False, batch_sampler=None)
+    return type(loader)(**kwargs)
+
+
+def _is_shuffled(loader: Any) -> bool:
+    """How Lightning decides whether the injected DistributedSampler shuffles."""
+    batch_sampler = loader.batch_sampler
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    return isinstance(sampler, torch.utils.data.RandomSampler)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_tool_rebuilds_the_loader_from_its_attributes_with_a_distributed_sampler_per_rank(shuffle: bool) -> None:
+    data = np.arange(22)
+    with DataLoader(data, batch_size=4, shuffle=shuffle, num_workers=2, seed=3, drop_last=True) as loader:
+        assert isinstance(loader, torch.utils.data.DataLoader) and _is_shuffled(loader) is shuffle
+        assert isinstance(loader.sampler, torch.utils.data.RandomSampler if shuffle
+                          else torch.utils.data.SequentialSampler)
+        whole = torch.cat(list(loader)).tolist()
+    shards = []
+    for rank in range(2):
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=rank, shuffle=shuffle, seed=0)
+        with _rebuild_with_sampler(loader, sampler) as rebuilt:
+            assert type(rebuilt) is DataLoader and rebuilt.num_workers == 2 and rebuilt.seed == 3
+            assert rebuilt.batch_sampler.sampler is sampler and rebuilt.batch_sampler.drop_last is True
+            batches = [b.tolist() for b in rebuilt]
+        assert [len(b) for b in batches] == [4, 4]  # 11 indices a rank, the short batch dropped
+        assert [i for b in batches for i in b] == list(sampler)[:8]
+        shards.append({i for b in batches for i in b})
+    assert not shards[0] & shards[1] and len(whole) == 20
+
+
+def test_samplers_are_torch_samplers_of_their_kind_and_batch_sampler_takes_drop_last() -> None:
+    from gloader import sampler as gs
+
+    assert isinstance(gs.SequentialSampler(3), torch.utils.data.SequentialSampler)
+    assert isinstance(gs.RandomSampler(3, seed=1), torch.utils.data.RandomSampler)
+    assert isinstance(gs.DistributedSampler(6, num_replicas=2, rank=0), torch.utils.data.DistributedSampler)
+    assert isinstance(gs.FilterSampler(bool, [0, 1]), torch.utils.data.Sampler)
+    random_sampler = gs.RandomSampler(5, seed=1)
+    assert random_sampler.num_samples == 5 and random_sampler.replacement is False  # torch's attributes
+    batches = gs.BatchSampler(gs.SequentialSampler(5), 2, drop_last=True)
+    assert isinstance(batches, torch.utils.data.BatchSampler) and list(batches) == [[0, 1], [2, 3]]
+    assert list(gs.BatchSampler(range(5), 2, drop_last=False)) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="last_batch='rollover' and drop_last=True are the same setting"):
+        gs.BatchSampler(range(5), 2, "rollover", drop_last=True)
+    with pytest.raises(TypeError, match="drop_last must be True or False"):
+        gs.BatchSampler(range(5), 2, drop_last="yes")
+
+
+def test_gloader_datasets_are_torch_datasets_so_they_add_and_chain() -> None:
+    joined = gloader.SimpleDataset([0, 1, 2]) + gloader.SimpleDataset([3, 4])
+    assert isinstance(joined, torch.utils.data.ConcatDataset)
+    with DataLoader(joined, batch_size=2, num_workers=2) as loader:
+        assert torch.cat(list(loader)).tolist() == [0, 1, 2, 3, 4]
+    chained = _data.RangeStream(3) + _data.RangeStream(2)
+    assert isinstance(chained, torch.utils.data.ChainDataset)
+    with DataLoader(chained, batch_size=2) as loader:
+        assert torch.cat(list(loader)).flatten().tolist() == [0, 1, 2, 0, 1]
+
