@@ -23,8 +23,8 @@ from ._checks import check_flag
 from ._math import round_up
 from ._tree import Leaf, Opaque, as_torch_dtype, map_structure, materialize, numeric_tensor, plan_from_value
 
-__all__ = ["Append", "AsList", "Dict", "Group", "List", "NamedTuple", "Pad", "Stack", "Tuple", "build_planned",
-           "default_batchify_fn", "plan_batch"]
+__all__ = ["Append", "AsList", "Dict", "Group", "List", "NamedTuple", "Pad", "Stack", "Tuple", "UnequalSamplesError",
+           "build_planned", "default_batchify_fn", "plan_batch"]
 
 _T = TypeVar("_T")
 
@@ -141,10 +141,16 @@ def _plan_scalars(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     return Leaf((len(values),), out_dtype, fill)
 
 
-def _shape_error(shapes: list[tuple[int, ...]]) -> ValueError:
+class UnequalSamplesError(ValueError, RuntimeError):
+    """Samples of one batch that cannot be stacked (shapes or lengths differ). A ValueError,
+    and a RuntimeError as torch's default_collate raises for the same samples, so code written
+    against either catches it."""
+
+
+def _shape_error(shapes: list[tuple[int, ...]]) -> UnequalSamplesError:
     distinct = sorted(set(shapes))[:3]
-    return ValueError(f"cannot stack samples of different shapes {distinct}; pad them with "
-                      "gloader.batchify.Pad or give the DataLoader a batchify_fn that handles them")
+    return UnequalSamplesError(f"cannot stack samples of different shapes {distinct}; pad them with "
+                               "gloader.batchify.Pad or give the DataLoader a batchify_fn that handles them")
 
 
 _NDARRAY_ONLY = {np.ndarray}
@@ -301,8 +307,8 @@ def _plan_default(samples: Sequence[Any]) -> Any:
             lengths = set(map(len, samples))
             if len(lengths) == 1:
                 raise  # not the lengths: a sample's own iteration failed
-            raise ValueError(f"sequence samples of one batch must have the same length, got lengths "
-                             f"{sorted(lengths)}") from None
+            raise UnequalSamplesError(f"sequence samples of one batch must have the same length, got lengths "
+                                      f"{sorted(lengths)}") from None
         fields = [_plan_default(column) for column in columns]
         return type(first)(*fields) if hasattr(first, "_fields") else fields  # a namedtuple stays one
     return Opaque(list(samples))

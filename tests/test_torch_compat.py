@@ -369,3 +369,14 @@ def test_gloader_datasets_are_torch_datasets_so_they_add_and_chain() -> None:
     with DataLoader(chained, batch_size=2) as loader:
         assert torch.cat(list(loader)).flatten().tolist() == [0, 1, 2, 0, 1]
 
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("samples", [[np.ones(2), np.ones(3)], [torch.ones(2), torch.ones(3)], [[1, 2], [1, 2, 3]]])
+def test_samples_that_cannot_be_stacked_raise_what_torch_code_catches(num_workers: int, samples: list[Any]) -> None:
+    with pytest.raises(RuntimeError):  # what torch's default_collate raises for them
+        list(torch.utils.data.DataLoader(samples, batch_size=2))
+    with DataLoader(samples, batch_size=2, num_workers=num_workers) as loader:
+        for caught in (RuntimeError, ValueError):  # ValueError: what gloader raised before, kept
+            with pytest.raises(caught, match="same length|different shapes") as info:
+                list(loader)
+            assert isinstance(info.value, gloader.batchify.UnequalSamplesError)
