@@ -11,6 +11,7 @@ uses a `PoolCore` directly. The whole flow is drawn in `_engine`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
@@ -19,7 +20,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ._admission import usable_cpus
 from ._checks import check_flag, check_positive_int, check_start_method
@@ -73,6 +74,16 @@ class _Death:
     text: str
     owner: int | None  # the loader whose task the worker held; None: it held none
 
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in the calling thread for the block (a Ctrl-C meanwhile is delivered after)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 class PoolCore:
     """One running pool of `num_workers` processes or threads, with its supervision.
@@ -129,9 +140,18 @@ class PoolCore:
                 self.pool: Any = ThreadPool(num_workers, initializer=initialize_thread_worker,
                                             initargs=(self.spec, registrations))
             else:
-                self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
-                                               initargs=(self.spec, registrations), context=ctx,
-                                               lock_dir=self.payload_dir)
+                # SIGINT blocked in this thread while the pool starts: the workers (and the pool's
+                # threads, hence the workers they start later) inherit the mask, so a Ctrl-C while a
+                # spawned worker still imports cannot kill it before its initializer ignores SIGINT.
+                # The resource tracker is started first: starting it unblocks SIGINT in its caller.
+                if ctx.get_start_method() != "fork":
+                    from multiprocess import resource_tracker
+
+                    resource_tracker.ensure_running()
+                with _sigint_blocked():
+                    self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
+                                                   initargs=(self.spec, registrations), context=ctx,
+                                                   lock_dir=self.payload_dir)
         except BaseException:  # the pool did not start: nothing will close it
             self._close_files()
             raise

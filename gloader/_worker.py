@@ -411,8 +411,10 @@ def _claim_task(link: _ProcessLink, task: Any) -> None:
 
 
 def _prepare_process(spec: PoolSpec) -> None:
-    # Ctrl-C is the caller's to handle: it shuts the workers down itself.
+    # Ctrl-C is the caller's to handle: it shuts the workers down itself. SIGINT arrives blocked
+    # (see PoolCore), so one sent while this process started is discarded here, not fatal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     import torch
 
     torch.set_num_threads(1)  # one worker, one core: intra-op threads only contend

@@ -379,3 +379,27 @@ def test_a_child_forked_from_the_caller_leaves_the_callers_workers_alone(tmp_pat
     assert lines[1] == "child's own loader: [[0, 1, 2, 3], [4, 5, 6, 7]]"
     assert lines[2] == "parent: 0 [[0, 1, 2, 3], [0, 1, 2, 3]] [15, 15] [60, 61, 62, 63] [60, 61, 62, 63]"
     assert proc.returncode == 0 and "Traceback" not in err and "Warning" not in err, err
+
+
+def test_ctrl_c_while_spawned_workers_still_start_does_not_kill_them(tmp_path) -> None:
+    """The whole process group gets the Ctrl-C while the workers are still importing; a loop
+    that handles it (saves a checkpoint, say) carries on, and no worker has died of it."""
+    with _run_script(tmp_path, """
+        import psutil, threading
+        signal.signal(signal.SIGINT, lambda *args: print("caller handled SIGINT", flush=True))
+        me = psutil.Process()
+
+        def interrupt_starting_workers():
+            while len(me.children()) < 2:
+                time.sleep(0.001)  # polls for the workers' start, then signals them at once
+            os.killpg(0, signal.SIGINT)
+
+        loader = DataLoader(np.arange(16), batch_size=4, num_workers=2, start_method="spawn")
+        threading.Thread(target=interrupt_starting_workers, daemon=True).start()
+        for _ in range(2):
+            print("epoch", sum(int(b.sum()) for b in loader), flush=True)
+        loader.close()
+        """, new_session=True) as proc:
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "caller handled SIGINT" in out and out.count("epoch 120") == 2, out + err
