@@ -318,6 +318,7 @@ def _build_batch_sampler(dataset: Any, batch_size: Any, shuffle: Any, sampler: A
     if sampler is None:
         length = dataset_length(dataset)
         sampler = RandomSampler(length, seed) if shuffle else SequentialSampler(length)
+        sampler._follow(dataset)  # a dataset that grows or shrinks between epochs is followed, as in torch
     elif shuffle:
         raise ValueError(f"shuffle=True excludes sampler={sampler!r}; shuffle inside the sampler instead")
     return BatchSampler(sampler, batch_size, mode)

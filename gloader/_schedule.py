@@ -48,6 +48,7 @@ class Epoch:
         self.length = length
         self.start_state = start_state
         self.skipped = skipped
+        self.samples: int | None = None  # len(index sampler) when an epoch opened ahead was drawn
         self.end_state: Any = None
         self.exhausted = False
         self._batches = batches
@@ -120,7 +121,22 @@ class Schedule:
         batches = enumerate(_encoded_batches(self._sampler))
         for _ in range(skip):
             next(batches, None)
-        return Epoch(number, length, start_state, batches, skip, self._sampler_state)
+        epoch = Epoch(number, length, start_state, batches, skip, self._sampler_state)
+        if self._lookahead:
+            epoch.samples = self._samples()
+        return epoch
+
+    def _samples(self) -> int | None:
+        inner: Any = getattr(self._sampler, "sampler", None)
+        return len(inner) if hasattr(inner, "__len__") else None
+
+    def stale_upcoming(self) -> Epoch | None:
+        """The epoch opened ahead, if the dataset's length changed since it was drawn (the
+        loader's samplers follow the dataset: it must be drawn again); else None."""
+        upcoming = self._upcoming
+        if upcoming is None or upcoming.samples is None or upcoming.samples == self._samples():
+            return None
+        return upcoming
 
     def open(self) -> Epoch:
         """The epoch the next iterator serves: the one opened ahead, or a new one."""

@@ -12,8 +12,9 @@ The picture holds, for the dataset and the objects it reaches through attributes
 dict items (a few levels deep, a bounded number of entries): the value of numbers and short
 strings, and the identity (and length) of everything else. So it sees an attribute set to a
 new value or a new object, and an item appended to a list; it does not see a change made
-inside a numpy array, a tensor or an object it does not descend into. Runs in the caller's
-process; never runs user code beyond reading attributes and builtin containers' lengths.
+inside a numpy array, a tensor or an object it does not descend into. It also holds
+len(dataset), so a new length is seen however it came. Runs in the caller's process; runs no
+user code beyond reading attributes, lengths and `len(dataset)`.
 """
 from __future__ import annotations
 
@@ -86,6 +87,10 @@ def picture(dataset: Any) -> Picture:
     entries: Picture = {}
     seen: set[int] = set()
     pending = collections.deque([("dataset", dataset, 0)])
+    try:  # a new length is a change however it came (the loader's samplers follow it)
+        entries["len(dataset)"] = len(dataset)
+    except TypeError:
+        pass
     while pending and len(entries) < _MAX_ENTRIES:  # breadth first: the top levels always fit
         path, value, depth = pending.popleft()
         entries[path] = _entry(value)

@@ -241,6 +241,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         else:
             self._end_iterator("a newer iter(loader)")
             self._follow_dataset_changes()
+            self._redraw_stale_lookahead()
             epoch = self._schedule.open()
         self._epoch_iter = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options,
                                        self._device)
@@ -267,6 +268,14 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                       "the dataset as it was then; make a new DataLoader on the pool to load the changed dataset",
                       RuntimeWarning, stacklevel=3)
 
+    def _redraw_stale_lookahead(self) -> None:
+        """The epoch opened ahead was drawn for a dataset length that has changed since (a
+        growing replay buffer): drop its batches in flight and draw it again when opened."""
+        stale = self._schedule.stale_upcoming()
+        if stale is not None:
+            self._engine.discard(stale.number)
+            self._schedule.rewind_upcoming()
+
     def _end_iterator(self, reason: str) -> None:
         if self._epoch_iter is not None:
             self._epoch_iter.stop(reason)
@@ -284,6 +293,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             if self._epoch_iter is not None and not self._epoch_iter.finished:
                 self._epoch_iter.reported_samples = self._reported_samples
             return self._options.stream_batches
+        if self._epoch_iter is None or self._epoch_iter.finished:
+            self._redraw_stale_lookahead()  # between epochs: the next one's length as the dataset is now
         length = self._schedule.length(self._served()[0], self._served()[2])
         if length is None:
             raise TypeError("this DataLoader's batch_sampler has no __len__")

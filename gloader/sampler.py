@@ -61,7 +61,28 @@ class Sampler(torch_data.Sampler[Any]):
         """Restore state returned by `state_dict`."""
 
 
-class SequentialSampler(Sampler, torch_data.SequentialSampler):
+class _Length:
+    """The length of a sampler a DataLoader built: fixed, or followed from the dataset at each
+    use once the loader calls `_follow` (torch's samplers read len(data_source) each epoch, so a
+    dataset that grows or shrinks between epochs is followed)."""
+
+    _fixed_length: int
+    _dataset: Any = None
+
+    @property
+    def _length(self) -> int:
+        return self._fixed_length if self._dataset is None else dataset_length(self._dataset)
+
+    @_length.setter
+    def _length(self, value: int) -> None:
+        self._fixed_length = value
+
+    def _follow(self, dataset: Any) -> None:
+        self._dataset = dataset
+        self.data_source = dataset  # torch's attribute
+
+
+class SequentialSampler(_Length, Sampler, torch_data.SequentialSampler):
     """Yields `start, start+1, ..., start+length-1`.
 
     Args:
@@ -88,7 +109,7 @@ class SequentialSampler(Sampler, torch_data.SequentialSampler):
         return self._length
 
 
-class RandomSampler(Sampler, torch_data.RandomSampler):
+class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
     """Yields a fresh permutation of `range(length)` every epoch.
 
     Epoch `e` uses a generator seeded from `(seed, e)`, so a seeded sampler gives the same

@@ -250,15 +250,14 @@ class _Growing:
         return idx
 
 
-def test_a_growing_dataset_is_followed_by_torchs_sampler_and_not_by_the_loaders_own() -> None:
-    """The README's difference: the loader's own sampler takes the length once (Gluon's rule);
-    torch's RandomSampler, given as sampler=, reads it every epoch (torch's rule)."""
+def test_a_growing_dataset_is_followed_by_the_loaders_own_sampler_as_by_torchs() -> None:
+    """Both read the length every epoch, as torch's samplers do."""
     dataset = _Growing(4)
     own = DataLoader(dataset, batch_size=2, shuffle=True, seed=0)
     torchs = DataLoader(dataset, batch_size=2, sampler=torch.utils.data.RandomSampler(dataset))
     assert sorted(torch.cat(list(own)).tolist()) == sorted(torch.cat(list(torchs)).tolist()) == [0, 1, 2, 3]
     dataset.length = 6
-    assert len(own) == 2 and sorted(torch.cat(list(own)).tolist()) == [0, 1, 2, 3]
+    assert len(own) == 3 and sorted(torch.cat(list(own)).tolist()) == [0, 1, 2, 3, 4, 5]
     assert len(torchs) == 3 and sorted(torch.cat(list(torchs)).tolist()) == [0, 1, 2, 3, 4, 5]
 
 
@@ -380,3 +379,36 @@ def test_samples_that_cannot_be_stacked_raise_what_torch_code_catches(num_worker
             with pytest.raises(caught, match="same length|different shapes") as info:
                 list(loader)
             assert isinstance(info.value, gloader.batchify.UnequalSamplesError)
+
+
+class _ReplayBuffer(torch.utils.data.Dataset):
+    """A dataset that grows (or shrinks) between epochs, as a replay buffer or a filter does."""
+
+    def __init__(self, size: int) -> None:
+        self.items = list(range(size))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> int:
+        return self.items[index]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_dataset_whose_length_changes_between_epochs_is_followed_as_torch_follows_it(num_workers: int,
+                                                                                        shuffle: bool) -> None:
+    def epochs(loader_class: Any) -> list[tuple[int, list[int]]]:
+        buffer = _ReplayBuffer(6)
+        loader = loader_class(buffer, batch_size=4, shuffle=shuffle, num_workers=num_workers)
+        seen = []
+        for size in (9, 12, 5, 8):
+            seen.append((len(loader), sorted(torch.cat(list(loader)).tolist())))
+            buffer.items[:] = range(size)  # in place, as a buffer grows
+        if hasattr(loader, "close"):
+            loader.close()
+        return seen
+
+    expected = epochs(torch.utils.data.DataLoader)
+    assert [length for length, _ in expected] == [2, 3, 3, 2]  # torch's own, as the check of the stand-in
+    assert epochs(DataLoader) == expected
