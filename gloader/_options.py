@@ -27,7 +27,6 @@ from ._checks import (
 from ._math import ceil_div
 from ._pool import WorkerPool
 from ._protocol import StreamRequest
-from ._seed import draw_base_seed
 from .batchify import EachSample, default_batchify_fn
 from .dataset import IterableDataset
 from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, dataset_length
@@ -45,9 +44,9 @@ class LoaderConfig:
 
     `batch_sampler` decides a map-style epoch; `stream` is set instead for a stream dataset
     (gloader's or torch's IterableDataset). `lookahead`: whether the next epoch's first batches
-    may be dispatched before the caller asks (see `build`). `seed` is the seed the user gave
-    (directly or through `generator`), `base_seed` the one in use. The fields after
-    `progress` are what torch's DataLoader exposes as attributes.
+    may be dispatched before the caller asks (see `build`). `seed` is the seed given as seed=,
+    `base_seed` the one to start with (None: drawn at the first iter(), from `generator` if
+    one was given). The fields after `progress` are what torch's DataLoader exposes.
     """
 
     dataset: Any
@@ -65,7 +64,7 @@ class LoaderConfig:
     start_method: str | None
     worker_init_fn: Callable[[int], None] | None
     seed: int | None
-    base_seed: int
+    base_seed: int | None
     pool: WorkerPool | None
     progress: bool
     batch_size: int | None
@@ -80,6 +79,8 @@ class LoaderConfig:
     persistent_workers: bool
     # torch's multiprocessing_context when a context object was given (its name is start_method).
     mp_context: Any = None
+    # shuffle=True: the loader built a RandomSampler, seeded with the base seed.
+    own_shuffle: bool = False
 
     @property
     def device_reads_slots(self) -> bool:
@@ -126,7 +127,7 @@ class LoaderConfig:
         if worker_init_fn is not None and not callable(worker_init_fn):
             raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
         given_seed = _seed_from(seed, generator)
-        base_seed = given_seed if given_seed is not None else draw_base_seed()
+        base_seed = given_seed  # None: drawn at the first iter(), where torch draws (see DataLoader.__iter__)
         pin = check_flag("pin_memory", pin_memory, none_means=False)
         pin_id = _check_pin_device(pin, pin_device_id)
         target = _check_device(device)
@@ -150,7 +151,8 @@ class LoaderConfig:
                    sampler=plan.sampler, drop_last=plan.drop_last, generator=generator,
                    in_order=check_flag("in_order", in_order), stream_batches=plan.stream_batches,
                    persistent_workers=persistent,
-                   mp_context=None if isinstance(multiprocessing_context, str) else multiprocessing_context)
+                   mp_context=None if isinstance(multiprocessing_context, str) else multiprocessing_context,
+                   own_shuffle=bool(shuffle) and sampler is None and batch_sampler is None and plan.stream is None)
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:
@@ -204,7 +206,7 @@ def _seed_from(seed: Any, generator: Any) -> int | None:
         raise TypeError(f"generator must be a torch.Generator or None, got {generator!r}")
     if checked is not None:
         raise ValueError(f"seed={seed!r} and generator= both choose the seed; pass only one")
-    return draw_base_seed(generator)
+    return None  # drawn from the generator at the first iter()
 
 
 _WARNED: set[str] = set()  # warnings given once per process (see _warn_about_setup)
@@ -240,7 +242,7 @@ class _BatchPlan(NamedTuple):
 
 
 def _plan_batches(dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, last_batch: Any, batch_sampler: Any,
-                  base_seed: int, batchify_fn: Any) -> _BatchPlan:
+                  base_seed: int | None, batchify_fn: Any) -> _BatchPlan:
     """How the dataset becomes batches: the batch sampler (or stream request) and the batchify."""
     is_stream = isinstance(dataset, (IterableDataset, torch.utils.data.IterableDataset))
     if not hasattr(dataset, "__getitem__") and not is_stream:
@@ -257,7 +259,8 @@ def _plan_batches(dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, las
         stream = _check_stream(size, shuffle, sampler, last_batch, batch_sampler)
         return _BatchPlan(None, stream, fn, None if unbatched else stream.batch_size, None,
                           not stream.keep_last, _stream_batches(dataset, stream))
-    batches = _build_batch_sampler(dataset, size, shuffle, sampler, last_batch, batch_sampler, base_seed)
+    batches = _build_batch_sampler(dataset, size, shuffle, sampler, last_batch, batch_sampler,
+                                   0 if base_seed is None else base_seed)  # 0: until the base seed is drawn
     index_sampler = getattr(batches, "sampler", None)
     if batch_sampler is not None:
         return _BatchPlan(batches, None, fn, None, index_sampler, False, None)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ._checks import is_int
 from ._protocol import Job, StreamRequest, encode_keys
-from ._seed import derive_batch_seed
+from ._seed import derive_batch_seed, draw_base_seed
 from .sampler import BatchSampler
 
 __all__ = ["Epoch", "Schedule"]
@@ -94,18 +94,40 @@ class Schedule:
     Args:
         batch_sampler: yields lists of sample keys; None for a stream.
         stream: the request every stream task carries; None for a map-style dataset.
-        base_seed: the loader's base seed.
+        base_seed: the loader's base seed; None: the first one offered (`adopt_seed`), or
+            drawn with `draw_seed` where one is needed before that.
         lookahead: whether the next epoch may be opened before the caller asks for it.
+        draw_seed: draws a base seed.
+        seeded_sampler: the loader's own RandomSampler, which takes the base seed as its seed.
     """
 
-    def __init__(self, batch_sampler: Any, stream: StreamRequest | None, base_seed: int, lookahead: bool) -> None:
+    def __init__(self, batch_sampler: Any, stream: StreamRequest | None, base_seed: int | None, lookahead: bool,
+                 draw_seed: Callable[[], int] = draw_base_seed, seeded_sampler: Any = None) -> None:
         self._sampler = batch_sampler
         self._stream = stream
-        self.base_seed = base_seed
+        self._base_seed = base_seed
+        self._draw_seed = draw_seed
+        self._seeded_sampler = seeded_sampler
         self._lookahead = lookahead
         self._next_number = 0
         self._resume_skip = 0
         self._upcoming: Epoch | None = None
+
+    @property
+    def base_seed(self) -> int:
+        """The loader's base seed (drawn now if none was given or offered yet)."""
+        if self._base_seed is None:
+            self.adopt_seed(self._draw_seed())
+        assert self._base_seed is not None
+        return self._base_seed
+
+    def adopt_seed(self, seed: int) -> None:
+        """Take `seed` as the base seed, unless one is set already; the loader's own
+        RandomSampler takes it too."""
+        if self._base_seed is None:
+            self._base_seed = seed
+            if self._seeded_sampler is not None:
+                self._seeded_sampler._seed = seed
 
     def _sampler_state(self) -> Any:
         return self._sampler.state_dict() if hasattr(self._sampler, "state_dict") else None
@@ -117,6 +139,10 @@ class Schedule:
             return Epoch(number, None, None, ((i, request) for i in itertools.count()), 0, lambda: None)
         skip, self._resume_skip = self._resume_skip, 0
         length = len(self._sampler) if hasattr(self._sampler, "__len__") else None
+        self.base_seed  # noqa: B018 - the loader's RandomSampler needs its seed before it draws an epoch
+        prepare = getattr(getattr(self._sampler, "sampler", None), "_prepare_epoch", None)
+        if prepare is not None:  # a seedless RandomSampler draws the epoch's seed before the state is taken
+            prepare()
         start_state = self._sampler_state()
         batches = enumerate(_encoded_batches(self._sampler))
         for _ in range(skip):
@@ -223,4 +249,4 @@ class Schedule:
                              "of the saved epoch; pass a state made by this loader's state_dict()")
         self._next_number = int(state["epoch"])
         self._resume_skip = int(state["batches_yielded"])
-        self.base_seed = int(state["seed"])
+        self._base_seed = int(state["seed"])

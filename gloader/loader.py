@@ -24,6 +24,7 @@ from ._options import LoaderConfig
 from ._payload import build_payload
 from ._pool import WorkerPool
 from ._schedule import Schedule
+from ._seed import draw_base_seed
 from ._stats import PipelineStats
 from .batchify import EachSample
 
@@ -122,7 +123,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
     With `batch_size=None` (torch's unbatched mode) each sample is its own batch, converted
     as torch's `default_convert` does (or passed to `collate_fn`). With `seed=None` the seed is
-    drawn from torch's default generator, so `torch.manual_seed(s)` reproduces a run.
+    drawn from torch's default generator (or `generator`) at the first iter(), where torch's
+    loader draws, so `torch.manual_seed(s)` reproduces a run and building the loader leaves
+    torch's random stream alone.
     torch's attributes (`dataset`, `batch_size`, `sampler`, `batch_sampler`, `drop_last`,
     `num_workers`, `pin_memory`, `timeout`, `worker_init_fn`, `prefetch_factor`,
     `collate_fn`, `generator`, ...) are readable.
@@ -153,7 +156,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             in_order=in_order)
         config = self._options
         self._id = next(_LOADER_IDS)
-        self._schedule = Schedule(config.batch_sampler, config.stream, config.base_seed, config.lookahead)
+        self._schedule = Schedule(config.batch_sampler, config.stream, config.base_seed, config.lookahead,
+                                  functools.partial(draw_base_seed, config.generator),
+                                  config.sampler if config.own_shuffle else None)
+        self._iterated = False  # iter() was called: torch's persistent workers draw no new base seed after
         self._engine = Engine(config, self._id, functools.partial(_make_payload, config, self._schedule))
         self._latest = _LatestIterator()
         self._finalizer = weakref.finalize(self, _close_unreferenced, self._engine, self._latest)
@@ -234,6 +240,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     def __iter__(self) -> Iterator[_T_co]:  # type: ignore[override]  # torch's returns its own iterator type
         if self._closed:
             raise RuntimeError("this DataLoader is closed; create a new one")
+        self._draw_as_torch_does()
         previous = self._epoch_iter
         if previous is not None and previous.untouched:
             previous.stop("a newer iter(loader)", keep_epoch=True)
@@ -267,6 +274,24 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         warnings.warn(f"{changed} changed since this DataLoader joined its WorkerPool, whose worker processes keep "
                       "the dataset as it was then; make a new DataLoader on the pool to load the changed dataset",
                       RuntimeWarning, stacklevel=3)
+
+    def _draw_as_torch_does(self) -> None:
+        """torch's DataLoader draws from torch's generators at every iter(), and nothing when it
+        is built: its base seed (from `generator`, else the default generator; persistent
+        workers reuse their iterator and draw it once) and, shuffling with its own RandomSampler
+        without a generator, that sampler's seed. The same draws at the same moments leave
+        torch's default generator where torch leaves it, so a model built after the loader, or
+        dropout after iter(), draws the same numbers. The first base seed drawn is the loader's;
+        the later draws only keep step with torch. With seed= (gloader's own, which torch code
+        never passes) nothing is drawn: the caller's generators are left untouched."""
+        config = self._options
+        if config.seed is not None:
+            return
+        if not (self._iterated and config.persistent_workers):
+            self._schedule.adopt_seed(draw_base_seed(config.generator))
+        if config.own_shuffle and config.generator is None:
+            draw_base_seed()
+        self._iterated = True
 
     def _redraw_stale_lookahead(self) -> None:
         """The epoch opened ahead was drawn for a dataset length that has changed since (a

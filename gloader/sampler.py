@@ -12,6 +12,7 @@ import itertools
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import torch
 import torch.utils.data as torch_data
 
 from ._checks import check_flag, check_last_batch, check_positive_int
@@ -112,29 +113,42 @@ class SequentialSampler(_Length, Sampler, torch_data.SequentialSampler):
 class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
     """Yields a fresh permutation of `range(length)` every epoch.
 
-    Epoch `e` uses a generator seeded from `(seed, e)`, so a seeded sampler gives the same
-    sequence of permutations in any process. Without a seed one is drawn at construction.
+    With a seed, epoch `e` uses a generator seeded from `(seed, e)`, so the sequence of
+    permutations is the same in any process. Without one, as torch's RandomSampler without a
+    generator, each epoch draws its seed from torch's default generator when it starts, so
+    `torch.manual_seed(s)` before it reproduces the order; `state_dict` keeps the drawn seed,
+    so a resumed epoch repeats it.
 
     Args:
         length: number of indices.
-        seed: non-negative integer, or None for a random one.
+        seed: non-negative integer, or None (see above).
     """
 
     def __init__(self, length: int, seed: int | None = None) -> None:
         self._length = _check_length(length)
-        if seed is None:
-            seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1))
-        self._seed = int(seed)
+        self._seed = None if seed is None else int(seed)
         self._epoch = 0
+        self._epoch_seed: int | None = None  # drawn for the epoch about to run (seedless)
         # torch's attributes: a permutation of every index, without replacement.
         self.data_source, self.replacement, self._num_samples, self.generator = range(self._length), False, None, None
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices().tolist())
 
+    def _prepare_epoch(self) -> None:
+        """Draw the coming epoch's seed now (seedless), so that a state taken before the
+        epoch's indices already holds it."""
+        if self._seed is None and self._epoch_seed is None:
+            self._epoch_seed = int(torch.empty((), dtype=torch.int64).random_().item()) & ((1 << 63) - 1)
+
     def _indices(self) -> np.ndarray:
         """One epoch's indices as an int64 array; advances to the next epoch as iterating does."""
-        rng = np.random.default_rng([self._seed, self._epoch])
+        if self._seed is None:  # the order is the drawn seed's alone, as torch's
+            self._prepare_epoch()
+            rng = np.random.default_rng(self._epoch_seed)
+            self._epoch_seed = None
+        else:
+            rng = np.random.default_rng([self._seed, self._epoch])
         self._epoch += 1
         return rng.permutation(self._length).astype(np.int64, copy=False)
 
@@ -146,11 +160,12 @@ class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
         self._epoch = int(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self._seed, "epoch": self._epoch}
+        return {"seed": self._seed, "epoch": self._epoch, "epoch_seed": self._epoch_seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._seed = int(state["seed"])
+        self._seed = None if state["seed"] is None else int(state["seed"])
         self._epoch = int(state["epoch"])
+        self._epoch_seed = state.get("epoch_seed")
 
 
 class IntervalSampler(Sampler):

@@ -412,3 +412,69 @@ def test_a_dataset_whose_length_changes_between_epochs_is_followed_as_torch_foll
     expected = epochs(torch.utils.data.DataLoader)
     assert [length for length, _ in expected] == [2, 3, 3, 2]  # torch's own, as the check of the stand-in
     assert epochs(DataLoader) == expected
+
+
+def _draws_around_a_run(loader_class: Any, epochs: int, **kwargs: Any) -> tuple[torch.Tensor, list[float], list]:
+    """A script's randomness around its loader: weights made after building it, one draw after
+    each epoch, and the batches."""
+    torch.manual_seed(0)
+    loader = loader_class(np.arange(10), batch_size=4, **kwargs)
+    weights = torch.nn.Linear(3, 3).weight.detach().clone()
+    draws, batches = [], []
+    for _ in range(epochs):
+        batches.append([b.tolist() for b in loader])
+        draws.append(torch.rand(1).item())
+    if hasattr(loader, "close"):
+        loader.close()
+    return weights, draws, batches
+
+
+@pytest.mark.parametrize("kwargs", [{"shuffle": True}, {"shuffle": False}, {"shuffle": True, "num_workers": 2},
+                                    {"shuffle": True, "num_workers": 2, "persistent_workers": True},
+                                    {"shuffle": True, "generator": "seeded"}],
+                         ids=["shuffle", "sequential", "workers", "persistent", "generator"])
+def test_the_loader_draws_from_torchs_generators_when_torchs_loader_does(kwargs: dict) -> None:
+    """Nothing at construction, the same draws at iter(): a model built after the loader gets
+    torch's weights, and every later draw of the script is torch's too."""
+    def run(loader_class: Any) -> Any:
+        options = dict(kwargs)
+        if options.get("generator") == "seeded":
+            options["generator"] = torch.Generator().manual_seed(3)
+        return _draws_around_a_run(loader_class, 3, **options)
+
+    torch_weights, torch_draws, _ = run(torch.utils.data.DataLoader)
+    weights, draws, batches = run(DataLoader)
+    assert torch.equal(weights, torch_weights) and draws == torch_draws
+    assert run(DataLoader)[2] == batches  # and the same torch.manual_seed gives the same batches
+
+
+def test_a_seedless_random_sampler_follows_torch_manual_seed_at_each_iteration() -> None:
+    from gloader.sampler import RandomSampler
+
+    def orders(seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        sampler = RandomSampler(12)
+        return [list(sampler) for _ in range(3)]
+
+    first = orders(1)
+    assert orders(1) == first and orders(2) != first and len({tuple(o) for o in first}) == 3
+    sampler = RandomSampler(12)
+    torch.manual_seed(5)
+    one = list(sampler)
+    torch.manual_seed(5)  # as torch's RandomSampler: the epoch's seed is drawn as it starts
+    assert list(sampler) == one
+
+
+def test_a_seedless_random_sampler_resumes_its_epoch_exactly() -> None:
+    from gloader.sampler import RandomSampler
+
+    with DataLoader(np.arange(20), batch_size=4, sampler=RandomSampler(20), num_workers=2) as loader:
+        it = iter(loader)
+        first = [next(it).tolist() for _ in range(2)]
+        state = loader.state_dict()
+        rest = [b.tolist() for b in it]
+    torch.manual_seed(123)  # the global generator moved on: the saved state still names the epoch
+    with DataLoader(np.arange(20), batch_size=4, sampler=RandomSampler(20), num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        assert [b.tolist() for b in resumed] == rest
+    assert sorted(sum(first + rest, [])) == list(range(20))
