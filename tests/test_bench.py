@@ -272,3 +272,30 @@ def test_the_report_names_the_machine_it_ran_on() -> None:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert f", {cpus} CPUs usable;" in line and f"torch {torch.__version__}," in line
     assert results["machine"] == line.removeprefix("Machine: ")
+
+
+def test_markdown_page_and_readme_summary_come_from_one_run(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gloader.bench import cli
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Project\n\nbefore\n{cli.SUMMARY_START}\nan old table\n{cli.SUMMARY_END}\nafter\n")
+    page = tmp_path / "benchmarks.md"
+    assert bench.main(["--quick", "--rounds", "1", "--workloads", "W1", "--markdown", str(page),
+                       "--readme", str(readme)]) == 0
+    printed = capsys.readouterr().out
+    w1_row = next(line for line in printed.splitlines() if line.startswith("| W1"))
+    text = page.read_text()
+    assert text.startswith("# Benchmarks") and w1_row in text and "Machine: " in text
+    assert "`python -m gloader.bench --quick --rounds 1 --workloads W1 --markdown" in text
+    ratio = w1_row.strip("|").split("|")[5].strip(" *x")
+    updated = readme.read_text()
+    assert updated.startswith("# Project\n\nbefore\n") and updated.endswith(f"{cli.SUMMARY_END}\nafter\n")
+    assert "an old table" not in updated and "| W1 " in updated and f"{float(ratio.split()[0]):.2f}x |" in updated
+
+
+def test_readme_without_the_summary_markers_is_refused_before_the_run(tmp_path, capsys) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# Project\n")
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--workloads", "W1", "--readme", str(readme)])
+    assert info.value.code == 2 and "has no lines" in capsys.readouterr().err

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import functools
 import os
 import platform
@@ -409,6 +410,64 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines + report_memory(results) + report_device(results))
 
 
+SUMMARY_START = "<!-- benchmark summary: written by python -m gloader.bench --readme -->"
+SUMMARY_END = "<!-- end of benchmark summary -->"
+
+
+def _run_line(results: dict[str, Any]) -> str:
+    minutes, seconds = divmod(round(results.get("duration_s", 0)), 60)
+    return (f"Run on {results.get('date', 'an unknown date')} with `{results.get('command', 'python -m gloader.bench')}` "
+            f"({minutes} min {seconds} s). Machine: {results.get('machine') or _machine()}.")
+
+
+def markdown_page(results: dict[str, Any]) -> str:
+    """The whole report as a documentation page: what ran, where, when, and every table."""
+    return "\n".join([
+        "# Benchmarks", "",
+        "This page is written by the benchmark itself (`python -m gloader.bench --markdown docs/benchmarks.md`); "
+        "every figure on it comes from the one run named here. How the benchmark measures, and what limits each "
+        "workload, is in [the design notes](design.md#what-the-benchmark-measures).", "",
+        _run_line(results), "",
+        "Each figure is the median (min-max) over the rounds; in every round all loaders of a workload take "
+        "turns, each built anew. The machine is shared and noisy: compare ratios, not rates, and runs only on "
+        "the same machine.", "",
+        report(results), ""])
+
+
+def summary_table(results: dict[str, Any]) -> str:
+    """A short table of gloader's speed over torch per workload, with the run it came from."""
+    lines = [_run_line(results), "", "| workload | gloader / torch |", "|---|---|"]
+    for name in ("W1", "W2", "W3", "W8", "W9", "W10"):
+        res = results.get(name)
+        if res and "ratio" in res:
+            lines.append(f"| {name} {res['title']} | {statistics.median(res['ratio']):.2f}x |")
+    if "W4" in results:
+        later = results["W4"]["later_ms"]
+        lines.append(f"| W4 first batch of epochs 2+ (W2 data), ms: gloader / torch | "
+                     f"{statistics.median(later['gloader']):.2f} / {statistics.median(later['torch']):.2f} |")
+    return "\n".join(lines)
+
+
+def _check_summary_markers(parser: argparse.ArgumentParser, path: str) -> None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        parser.error(f"--readme {path}: {exc.strerror}")
+    if SUMMARY_START not in text or SUMMARY_END not in text:
+        parser.error(f"--readme {path} has no lines {SUMMARY_START!r} and {SUMMARY_END!r} to write between")
+
+
+def replace_summary(path: str, table: str) -> None:
+    """Put `table` between the summary markers of the file at `path`."""
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    head, rest = text.split(SUMMARY_START, 1)
+    _, tail = rest.split(SUMMARY_END, 1)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(f"{head}{SUMMARY_START}\n{table}\n{SUMMARY_END}{tail}")
+
+
 def _report_peers(results: dict[str, Any]) -> list[str]:
     """gloader (nw=2) beside the peers other than torch: samples/s, and gloader's speed over each."""
     rows = [name for name in _PEERS if name in results and "ratios" in results[name]]
@@ -499,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (needs W1-W4)")
     parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W10; W7 needs CUDA and runs only when named)")
+    parser.add_argument("--markdown", metavar="PAGE.md", help="also write the report as a documentation page "
+                        "(the machine, versions, date and command of this run included)")
+    parser.add_argument("--readme", metavar="README.md", help="also put this run's summary table into that file, "
+                        f"between its lines {SUMMARY_START!r} and {SUMMARY_END!r}")
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     if rounds < 1:
@@ -516,9 +579,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--workloads takes W1 to W10; got {sorted(unknown)}")
         if args.plot and not {"W1", "W2", "W3", "W4"} <= only:
             parser.error("--plot needs W1, W2, W3 and W4")
+    if args.readme:
+        _check_summary_markers(parser, args.readme)
     torch.set_num_threads(1)
+    started = time.monotonic()
     results = run(args.quick, rounds, only)
+    results["duration_s"] = time.monotonic() - started
+    results["command"] = "python -m gloader.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    results["date"] = datetime.date.today().isoformat()
     sys.stdout.write(report(results) + "\n")
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as page:
+            page.write(markdown_page(results))
+        sys.stdout.write(f"report written to {args.markdown}\n")
+    if args.readme:
+        replace_summary(args.readme, summary_table(results))
+        sys.stdout.write(f"summary table written into {args.readme}\n")
     if args.plot:
         plot(results, args.plot)
         sys.stdout.write(f"chart saved to {args.plot}\n")
