@@ -31,6 +31,8 @@ setup(
             "matplotlib>=3.7",
             "pillow>=9.1",
         ],
+        # MkDocs builds the site in docs/; mkdocstrings writes its API reference from the docstrings.
+        "docs": ["mkdocs>=1.6,<2", "mkdocstrings[python]>=0.26"],
         # tensorpack: a peer the benchmark compares with (W1, W2); pillow: W8's JPEGs.
         "bench": ["matplotlib>=3.7", "psutil>=5.9", "pillow>=9.1", "tensorpack>=0.11"],
     },

@@ -87,30 +87,11 @@ _HELD_WITH_DESCRIPTOR = 4
 
 
 # Small batches travel several to a task, so that the fixed cost of a task's round trip
-# (apply_async, the pool's task and result threads, two pipe hops, each a thread wake-up
-# under the GIL: ~0.1-0.2 ms of the caller's CPU) is shared. A task carries as many
-# consecutive batches of one epoch as the workers load in about _TASK_TARGET_S, measured on
-# the batches so far, at most _MAX_BATCHES_PER_TASK, at most _TASK_BYTES of batch data, and
-# keys that keep the task message small enough for a worker to take it whole
-# (_mppool.ATOMIC_TASK_BYTES; a task that exceeds it, one huge batch, is read in pieces).
-# The window then holds `prefetch` tasks. Longer target: less overhead per batch; shorter:
-# sooner first batches after a change and less memory in flight. Batches that take longer
-# than the target, or streams, go one to a task. Measured on W1 (CPU per batch, caller and
-# workers, three alternating pairs): 5 ms / 16 batches 475-498 us, 10 ms / 32 463-478 us. On
-# a host where a pipe write that wakes its reader costs 0.2-0.3 ms (KVM, AMD EPYC), 10 ms
-# made W1 tasks of ~17 batches; 20 ms (30, where the keys cap them) took 3.0% less CPU a
-# batch and read 5.2% faster (medians of 20 alternating rounds, 17 with less CPU), 0.8-2.2%
-# and 2.2-2.7% in two shorter series; 40 ms with up to 64 batches read 3.5% slower (8 rounds).
-# The first task of each epoch carries one batch, so that an epoch's first batch waits for one
-# batch of work, not a whole task: W1 data, a loop that reads as fast as it can, next epoch's
-# first batch: 5.9 ms with 10 ms tasks, 12.4 with 20 ms, 0.28 with 20 ms and a small first task
-# (medians of 6 loaders, epochs 3-6). The tasks after it carry the whole count at once. When
-# they grew by doubling (1, 2, 4, 8, ...), a worker went idle at every epoch boundary: the
-# window held the old epoch's last whole task, still loading in the other worker, and small
-# tasks this one had finished, so it waited until that task was collected. W1 (781 batches an
-# epoch, 4 s each, 3 alternating runs): CPUs idle 1.7-3.0% of the time with the doubling,
-# 0.5-0.7% with one batch then the whole count (0.4-1.0% with whole tasks from the start); a
-# second series of the doubling against this: 2.0-2.5% and 0.2-1.2%.
+# (~0.1-0.2 ms of the caller's CPU) is shared: as many consecutive batches of one epoch as the
+# workers load in about _TASK_TARGET_S, at most _MAX_BATCHES_PER_TASK and _TASK_BYTES, with
+# keys a worker can read whole (_mppool.ATOMIC_TASK_BYTES); an epoch's first task carries one
+# batch. Longer target: less overhead per batch; shorter: less in flight. The measurements
+# behind these numbers: docs/design.md, "Several small batches to a task".
 _TASK_TARGET_S = 0.02
 _MAX_BATCHES_PER_TASK = 32
 _TASK_BYTES = 1 << 20

@@ -5,7 +5,7 @@ NamedTuples: `Loaded` (a batch, or its shared-memory handle), `ShardEnd` (a stre
 shard is exhausted) or `WorkerFailure` (an exception, re-raised in the caller by `reraise`).
 Process workers send answers as bytes made by the stdlib pickler (`encode`): per-batch
 messages must stay tiny and flat, because the pool's pipes pickle with dill otherwise (see
-DESIGN.md's traps). Imports nothing of gloader's: both sides use it. The flow is drawn in
+docs/design.md, "Supervision"). Imports nothing of gloader's: both sides use it. The flow is drawn in
 `_engine`.
 """
 from __future__ import annotations

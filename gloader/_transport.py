@@ -69,14 +69,10 @@ _PROBE_BYTES = 256 << 20
 # ends before the first batch comes back.
 _MAX_PROBES = 16
 _MADV_DONTFORK = 10  # linux/mman.h
-# A process's first touch of each 4 KiB page of a mapped segment is a page fault. Writing a
-# 38.5 MB batch into a slot took a worker 16 ms that way, against 1.3 ms the next time, and
-# every worker meets every slot in circulation once (4 workers, ~12 slots: 48 first touches
-# in the first epoch). So a worker asks the kernel to map all of a new slot's pages at once
-# (Linux 5.14+; elsewhere the call fails and nothing changes): the slot's first writer with
-# POPULATE_WRITE, which also clears the reserved pages (11 ms in all, against 16.4), the
-# others with POPULATE_READ, the pages being there (3.5 ms). Not for probes: only the pages
-# written take memory.
+# A worker maps all of a new slot's pages at once rather than faulting them in one by one
+# (Linux 5.14+; elsewhere the call fails and nothing changes): the first writer with
+# POPULATE_WRITE, the others with POPULATE_READ (docs/design.md, "Batches through reused
+# shared memory"). Not for probes: only the pages written take memory.
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
 _SEGMENT_NAME = "gloader"
 # A mapped segment: a ctypes byte array over the mapping (see _map_fd).

@@ -47,29 +47,15 @@ logger = logging.getLogger(__name__)
 # How often a process worker checks that the caller is alive. Larger: less wake-up noise;
 # smaller: orphaned workers exit (and free their memory) sooner after the caller is killed.
 _PARENT_POLL_S = 0.2
-# glibc malloc settings for process workers. By default glibc serves blocks over 128 KiB
-# with a fresh mmap and gives freed heap tops back to the OS, so a dataset that builds one
-# image (or a numpy temporary) per sample pays page faults for every sample: ~87 us per
-# 150 KB image here against ~10 us once the memory is kept. Workers are ours and short of
-# nothing else to do with the memory, so they keep it. Larger: fewer faults for larger
-# samples; smaller: less memory retained by an idle worker (at most its peak heap).
+# glibc malloc settings for process workers: keep freed heap memory instead of paying page
+# faults for every sample's image or temporary (docs/design.md, "Workers keep their memory").
+# Larger: fewer faults for larger samples; smaller: less memory an idle worker retains.
 _MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit
 _MALLOC_TRIM_THRESHOLD_BYTES = 256 << 20
-# The time slice process workers ask the scheduler for when a pool has more workers than
-# the CPUs it may use (Linux 6.12+ honours a normal task's own slice; older kernels and
-# other systems keep theirs). Oversubscribed CPU-bound workers are switched every slice
-# (~1.4-3 ms by default) and each switch refills the caches: W8 with 4 workers on 2 cores
-# took 44-47 involuntary switches and 170-175 ms of worker CPU per batch, against 6 and
-# 155-163 ms with 2 workers (8-10% fewer samples/s); with 20 ms, 15 switches and 159-165 ms.
-# Between 10 and 20 ms, fresh loaders measured alone, 4 alternating rounds, 4 workers / 2:
-# W8 0.980 with 10 ms, 0.960 with 20; W3 (16 ms batches) 0.981 and 0.984, and 0.999 against
-# 0.953 with the loaders side by side; longer slices also keep a worker that holds the
-# oldest batch (collected first) waiting longer. The price is in the caller's rare wake-up
-# delays: a 2 ms sleep overshot by at most 7.5-9.4 ms instead of 4-5 (median and p90
-# unchanged), which is why pools that fit their CPUs keep the default. Pools with more
-# workers than CPUs also give CPU-bound tasks to one worker per CPU (see _admission); the
-# slice still counts for workers that run without a permit (tasks that block, streams).
-# Larger: fewer switches between oversubscribed workers; smaller: shorter worst-case delays.
+# The time slice process workers ask the scheduler for when a pool has more workers than the
+# CPUs it may use (Linux 6.12+): fewer switches between oversubscribed CPU-bound workers, at the
+# price of the caller's rare wake-up delays, so pools that fit their CPUs keep the default
+# (docs/design.md, "More workers than CPUs"). Larger: fewer switches; smaller: shorter delays.
 _WORKER_SLICE_NS = 10_000_000
 # struct sched_attr as sched_setattr(2) takes it (its first, 56-byte version), and the
 # system call's number where gloader asks for the slice.

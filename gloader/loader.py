@@ -103,11 +103,12 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         pool: a `gloader.WorkerPool` to run on instead of starting one.
         progress: show a progress bar on stderr (batches/s and the share of time spent
             waiting for input) for every epoch.
-        collate_fn, drop_last, prefetch_factor, multiprocessing_context, generator: torch's
-            names, with torch's meaning: the batchify function; last_batch='discard' (True)
-            or 'keep' (False); batches in flight per worker; the start method (a name or a
-            context); a torch.Generator to draw the seed from. Passing both a torch name and
-            its Gluon counterpart is a ValueError.
+        collate_fn: torch's name for `batchify_fn`. Passing both a torch name and its Gluon
+            counterpart (here and below) is a ValueError.
+        drop_last: torch's name: True is last_batch='discard', False 'keep'.
+        prefetch_factor: torch's name: batches in flight per worker (prefetch / num_workers).
+        multiprocessing_context: torch's name for the start method: a name or a context.
+        generator: a torch.Generator to draw the seed from, at the first iter().
         persistent_workers: workers persist across epochs either way. False (the default) has
             them restarted at an epoch's start when the dataset changed since they took their
             copy (torch's default workers start afresh every epoch); True keeps their copy for

@@ -191,7 +191,7 @@ def test_sampler_keys_reach_getitem_unchanged_in_every_mode(mode: dict) -> None:
     keys = [1.7, (0, 224), "a"]
     with DataLoader(_data.KeyEcho(), batch_size=3, sampler=keys, **mode) as loader:
         assert next(iter(loader)) == [repr(k) for k in keys]
-    # Integer keys of any kind arrive as Python ints (README, differences from torch).
+    # Integer keys of any kind arrive as Python ints (docs/migration.md, differences from torch).
     with DataLoader(_data.KeyEcho(), batch_sampler=[[np.int32(2), torch.tensor(1), 0], np.array([1, 2])],
                     **mode) as loader:
         assert list(loader) == [["2", "1", "0"], ["1", "2"]]

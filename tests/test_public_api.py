@@ -1,4 +1,4 @@
-"""The public surface is exactly the names in DESIGN.md."""
+"""The public surface is exactly the names the API reference (docs/api.md) documents."""
 from __future__ import annotations
 
 import inspect
