@@ -2,7 +2,7 @@
 # # Performance: gloader versus torch's DataLoader
 #
 # The benchmark (`python -m gloader.bench`) runs both loaders side by side in one process,
-# round by round, on synthetic data. Here: one quick round of W1-W4 (the README has the full
+# round by round, on synthetic data. Here: one quick round of W1-W4 (docs/benchmarks.md has a full
 # run). Ratios, not absolute times: this machine is shared and noisy.
 
 # %%
@@ -52,4 +52,4 @@ for method in ("fork", "spawn"):
 
 # %% [markdown]
 # A `wait_fraction` near 1 means the model waits for data: add workers, make `__getitem__`
-# cheaper, or keep the dataset in numpy arrays (see the README's copy-on-write section).
+# cheaper, or keep the dataset in numpy arrays (docs/guide/datasets.md says why).
