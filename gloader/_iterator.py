@@ -50,9 +50,10 @@ class _HostBatches:
         try:
             got = self._engine.collect(self._epoch.number)
         except (WorkerExitedError, BatchTimeoutError):
-            # The engine stopped the workers; batches opened ahead were lost with them.
+            # The engine stopped the workers; the batches of the epoch opened ahead were lost with
+            # them, so that epoch opens again from its start, with its own order and seeds.
             self.ended = True
-            self._schedule.drop_upcoming()
+            self._schedule.rewind_upcoming()
             raise
         if got is None:  # nothing of this epoch in flight and nothing left to dispatch
             self.ended = True
@@ -198,8 +199,10 @@ class EpochIterator:
                 self._bar.close(self._stats.wait_fraction(self.epoch.number))
                 self._bar = None
             raise
-        except BaseException:
+        except BaseException as exc:
             self.yielded += 1  # a batch that raised is consumed: resume starts after it
+            if isinstance(exc, (WorkerExitedError, BatchTimeoutError)) and self._host.ended:
+                self.finished = True  # its workers were stopped: the next iter() (and state) is the next epoch
             raise
         self.yielded += 1
         if self.reported_samples is not None and isinstance(self._host, _StreamBatches) \

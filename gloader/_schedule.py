@@ -49,6 +49,7 @@ class Epoch:
         self.start_state = start_state
         self.skipped = skipped
         self.samples: int | None = None  # len(index sampler) when an epoch opened ahead was drawn
+        self.drawn_inner: Any = None  # the index sampler's state just after drawing it (opened ahead)
         self.end_state: Any = None
         self.exhausted = False
         self._batches = batches
@@ -150,19 +151,49 @@ class Schedule:
         epoch = Epoch(number, length, start_state, batches, skip, self._sampler_state)
         if self._lookahead:
             epoch.samples = self._samples()
+            epoch.drawn_inner = self._inner_state()
         return epoch
 
+    def _inner(self) -> Any:
+        return getattr(self._sampler, "sampler", None)
+
     def _samples(self) -> int | None:
-        inner: Any = getattr(self._sampler, "sampler", None)
+        inner = self._inner()
         return len(inner) if hasattr(inner, "__len__") else None
 
+    def _inner_state(self) -> Any:
+        inner = self._inner()
+        return inner.state_dict() if hasattr(inner, "state_dict") else None
+
     def stale_upcoming(self) -> Epoch | None:
-        """The epoch opened ahead, if the dataset's length changed since it was drawn (the
-        loader's samplers follow the dataset: it must be drawn again); else None."""
+        """The epoch opened ahead, if it must be drawn again: the dataset's length changed since
+        it was drawn (the loader's samplers follow it), or the caller changed the index
+        sampler (`loader.sampler.set_epoch(e)` before iter(), as torch and Lightning do); else None.
+        A sampler set back to the very state the epoch was drawn from keeps the epoch."""
         upcoming = self._upcoming
-        if upcoming is None or upcoming.samples is None or upcoming.samples == self._samples():
+        if upcoming is None:
+            return None
+        if upcoming.samples is not None and upcoming.samples != self._samples():
+            return upcoming
+        now = self._inner_state()
+        if upcoming.drawn_inner is None or now == upcoming.drawn_inner:
+            return None
+        if isinstance(upcoming.start_state, Mapping) and now == upcoming.start_state.get("sampler"):
+            self._inner().load_state_dict(upcoming.drawn_inner)  # what it asks for is what was drawn
             return None
         return upcoming
+
+    def redraw_upcoming(self) -> None:
+        """Open the epoch opened ahead again from its start (its batches in flight were
+        discarded), keeping a state the caller gave the index sampler since it was drawn."""
+        upcoming = self._upcoming
+        if upcoming is None:
+            return
+        now = self._inner_state()
+        given = now is not None and now != upcoming.drawn_inner
+        self.rewind_upcoming()
+        if given:
+            self._inner().load_state_dict(now)
 
     def open(self) -> Epoch:
         """The epoch the next iterator serves: the one opened ahead, or a new one."""
@@ -179,10 +210,6 @@ class Schedule:
             self._sampler.load_state_dict(upcoming.start_state)
         self._next_number = upcoming.number
         self._resume_skip = upcoming.skipped
-
-    def drop_upcoming(self) -> None:
-        """Forget the epoch opened ahead (its batches in flight were discarded)."""
-        self._upcoming = None
 
     def next_job(self, current: Epoch) -> Job | None:
         """The next batch to dispatch: `current`'s, then (with lookahead) the next epoch's first."""
@@ -216,10 +243,15 @@ class Schedule:
         if served is not None and not finished and not (
                 served.exhausted and served.length is not None and yielded >= served.length):
             return self._state(served.number, yielded, served.start_state)
+        upcoming = self._upcoming
+        if upcoming is not None:  # the next epoch, opened ahead; as it will be drawn again if it must
+            state = upcoming.start_state
+            now = self._inner_state()
+            if upcoming.drawn_inner is not None and now != upcoming.drawn_inner and isinstance(state, Mapping):
+                state = {**state, "sampler": now}  # the caller set the index sampler (set_epoch) since
+            return self._state(upcoming.number, upcoming.skipped, state)
         if served is not None and served.exhausted:  # the caller has the whole epoch
-            return self._state(served.number + 1, 0, served.end_state)
-        if self._upcoming is not None:
-            return self._state(self._upcoming.number, self._upcoming.skipped, self._upcoming.start_state)
+            return self._state(served.number + 1, 0, self._sampler_state())
         return self._state(self._next_number, self._resume_skip, self._sampler_state())
 
     def _state(self, epoch: int, yielded: int, sampler_state: Any) -> dict[str, Any]:

@@ -296,11 +296,12 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
     def _redraw_stale_lookahead(self) -> None:
         """The epoch opened ahead was drawn for a dataset length that has changed since (a
-        growing replay buffer): drop its batches in flight and draw it again when opened."""
+        growing replay buffer), or before the caller's `loader.sampler.set_epoch(e)`: drop its
+        batches in flight and draw it again when opened."""
         stale = self._schedule.stale_upcoming()
         if stale is not None:
             self._engine.discard(stale.number)
-            self._schedule.rewind_upcoming()
+            self._schedule.redraw_upcoming()
 
     def _end_iterator(self, reason: str) -> None:
         if self._epoch_iter is not None:

@@ -608,3 +608,20 @@ class PinnableBatch:
         self.inp = self.inp.pin_memory()
         self.pinned_by_its_method = True
         return self
+
+
+class DiesOnceAt(gloader.Dataset):
+    """The first worker to load sample `bad` ends itself (os._exit(3)), leaving `marker` behind;
+    later loads of it (the next epoch, a new worker) return it."""
+
+    def __init__(self, bad: int, marker: str, length: int = 64) -> None:
+        self.bad, self.marker, self.length = bad, marker, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.bad and gloader.get_worker_info() is not None and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(3)
+        return np.array([idx], dtype=np.int64)

@@ -57,9 +57,9 @@ def _check_dead_worker_report(loader: DataLoader, says: str) -> None:
     # caller may have been waiting for an earlier batch of it, which is the batch that raised.
     waited = int(re.search(r"The loader was waiting for batch (\d+) of epoch 0", message).group(1))
     assert 1 <= waited <= 5
-    # Where the caller stands survives the pool's shutdown: resuming goes on after the batch that raised.
-    assert {k: loader.state_dict()[k] for k in ("epoch", "batches_yielded")} == {"epoch": 0,
-                                                                                "batches_yielded": waited + 1}
+    # The error ended the epoch (its workers were stopped): where the caller stands is the start of
+    # the next epoch, which is what the next iter() serves.
+    assert {k: loader.state_dict()[k] for k in ("epoch", "batches_yielded")} == {"epoch": 1, "batches_yielded": 0}
     # The pool was shut down; the next epoch starts a fresh one and still works up to the bad sample.
     assert loader.worker_pids() == []
     batches = []

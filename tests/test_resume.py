@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+import gloader
 from gloader import DataLoader
 from tests import _data
 
@@ -96,3 +97,23 @@ def test_a_state_that_is_not_a_dict_is_rejected_naming_it() -> None:
     with DataLoader([1, 2], batch_size=1) as loader:
         with pytest.raises(TypeError, match=r"state must be a dict made by DataLoader.state_dict\(\), got 3"):
             loader.load_state_dict(3)  # type: ignore[arg-type]
+
+
+def test_a_worker_death_at_an_epochs_end_rewinds_the_epoch_opened_ahead(tmp_path) -> None:
+    """The next epoch's first batches were dispatched before the worker died; the next iter()
+    serves that epoch, in its own order and with its own seeds, and state_dict() says so. One
+    worker, so that the bad sample's first load is the one in epoch 0 (not its load ahead)."""
+    done = tmp_path / "already-died"
+    done.touch()
+    with DataLoader(_data.DiesOnceAt(-1, str(done)), batch_size=4, shuffle=True, seed=7, num_workers=1) as clean:
+        epochs = [[b.flatten().tolist() for b in clean] for _ in range(2)]
+    bad = epochs[0][-1][0]  # in the last batch of epoch 0: loaded after epoch 1 was opened ahead
+    marker = tmp_path / "died"
+    with DataLoader(_data.DiesOnceAt(bad, str(marker)), batch_size=4, shuffle=True, seed=7,
+                    num_workers=1) as loader:
+        with pytest.raises(gloader.WorkerExitedError):
+            list(loader)
+        assert marker.exists()
+        state = loader.state_dict()
+        assert (state["epoch"], state["batches_yielded"]) == (1, 0)
+        assert [b.flatten().tolist() for b in loader] == epochs[1]

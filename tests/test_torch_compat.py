@@ -478,3 +478,21 @@ def test_a_seedless_random_sampler_resumes_its_epoch_exactly() -> None:
         resumed.load_state_dict(state)
         assert [b.tolist() for b in resumed] == rest
     assert sorted(sum(first + rest, [])) == list(range(20))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_set_epoch_before_iter_is_honoured_for_that_epoch_even_when_drawn_ahead(num_workers: int) -> None:
+    """Lightning calls loader.sampler.set_epoch(e) before each epoch; so do torch's examples."""
+    from gloader.sampler import RandomSampler
+
+    def order(epoch: int) -> list[int]:
+        sampler = RandomSampler(20, seed=3)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    with DataLoader(np.arange(20), batch_size=4, shuffle=True, seed=3, num_workers=num_workers) as loader:
+        for epoch in (0, 1, 2, 5, 5, 3):
+            loader.sampler.set_epoch(epoch)
+            assert loader.state_dict()["sampler"]["sampler"]["epoch"] == epoch  # and the state says so
+            assert torch.cat(list(loader)).tolist() == order(epoch), f"set_epoch({epoch})"
+        assert torch.cat(list(loader)).tolist() == order(4)  # without a call, the next epoch
