@@ -156,9 +156,10 @@ def _shape_error(shapes: list[tuple[int, ...]]) -> UnequalSamplesError:
 _NDARRAY_ONLY = {np.ndarray}
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
-def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
+def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf | Opaque:
     """Stack arrays/tensors/numpy scalars along a new first axis.
 
     Checks run at C speed (`set(map(...))`): this is per batch and per field in the worker.
@@ -169,21 +170,18 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
         shapes = set(map(_SHAPE, tensors))
         if len(shapes) != 1:
             raise _shape_error([tuple(s) for s in shapes])
+        if any(map(_REQUIRES_GRAD, tensors)):  # stacked as torch does, the graph kept (in-process only)
+            return Opaque(torch.stack([t if t.dtype == (dtype or t.dtype) else t.to(dtype) for t in tensors]))
         dtypes = set(map(_DTYPE, tensors))
         out_dtype = dtype or (tensors[0].dtype if len(dtypes) == 1 else _promoted(dtypes))  # torch.stack's rule
         same_dtype = dtypes == {out_dtype}
 
         def fill_tensors(out: torch.Tensor) -> None:
             if not same_dtype:
-                _refuse_graph(tensors)  # copy_ would quietly join out to their graph
                 for row, t in zip(out, tensors):
                     row.copy_(t)
                 return
-            try:
-                torch.stack(list(tensors), out=out)
-            except RuntimeError:  # torch refuses out= for inputs in a graph: checked only then
-                _refuse_graph(tensors)
-                raise
+            torch.stack(list(tensors), out=out)
 
         return Leaf((len(tensors),) + tuple(tensors[0].shape), out_dtype, fill_tensors)
     arrays: Sequence[Any] = items if kinds == {np.ndarray} else [np.asarray(item) for item in items]
@@ -237,15 +235,6 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf:
     return Leaf((len(arrays),) + arrays[0].shape, found, fill_arrays)
 
 
-def _refuse_graph(tensors: Sequence[torch.Tensor]) -> None:
-    """TypeError when some of `tensors` require grad: a batch is a new tensor and cannot carry their graph."""
-    graph = [i for i, t in enumerate(tensors) if t.requires_grad][:3]
-    if graph:
-        raise TypeError(f"samples {graph} are tensors that require grad (part of an autograd graph); a batch is a "
-                        "new tensor and cannot carry their graph: return tensor.detach() from the dataset, or "
-                        "stack them in a batchify_fn of your own with num_workers=0")
-
-
 def _dtype_hint(dtype: np.dtype[Any]) -> str:
     """What to do about a numeric dtype that torch refuses only for its byte order."""
     if dtype.isnative or dtype.kind not in "biufc":
@@ -295,8 +284,9 @@ def _plan_default(samples: Sequence[Any]) -> Any:
         return _plan_scalars(samples, None)
     if isinstance(first, Mapping):
         keys = list(first.keys())
-        for sample in samples:
-            if not isinstance(sample, Mapping) or list(sample.keys()) != keys:
+        key_set = set(keys)
+        for sample in samples:  # in any order, as torch's default_collate takes them (by the first's)
+            if not isinstance(sample, Mapping) or (sample.keys() != key_set):
                 raise ValueError(f"dict samples of one batch must have the same keys, got {keys} and "
                                  f"{list(sample.keys()) if isinstance(sample, Mapping) else type(sample).__name__}")
         return {key: _plan_default([sample[key] for sample in samples]) for key in keys}

@@ -37,8 +37,13 @@ def dataset_length(dataset: Any) -> int:
     try:
         return len(dataset)
     except TypeError:
-        raise TypeError(f"dataset {type(dataset).__name__} has no __len__, which a map-style sampler needs; "
-                        "give it __len__, or use gloader.IterableDataset for a stream") from None
+        length = getattr(type(dataset), "__len__", None)
+        if length is None:
+            raise TypeError(f"dataset {type(dataset).__name__} has no __len__, which a map-style sampler needs; "
+                            "give it __len__, or use gloader.IterableDataset for a stream") from None
+        returned = length(dataset)  # what len() refused (an error of its own propagates)
+        raise TypeError(f"dataset {type(dataset).__name__}.__len__() returned {returned!r:.80}, which is not a "
+                        "non-negative integer; a map-style sampler needs the number of samples") from None
 
 
 class Sampler(torch_data.Sampler[Any]):

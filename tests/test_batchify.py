@@ -117,12 +117,35 @@ class _GradSamples:
         return row.double() if self.mixed and idx % 2 else row
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mode", [{"num_workers": 0}, {"num_workers": 2, "thread_pool": True}], ids=["in-process", "threads"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["one-dtype", "mixed-dtypes"])
-def test_samples_that_require_grad_get_an_error_that_says_to_detach_them(workers: int, mixed: bool) -> None:
-    with DataLoader(_GradSamples(mixed), batch_size=4, num_workers=workers) as loader:
-        with pytest.raises(TypeError, match=r"samples \[0, 1, 2\] are tensors that require grad.*tensor\.detach\(\)"):
-            next(iter(loader))
+def test_samples_that_require_grad_batch_with_their_graph_as_torch_batches_them(mode: dict, mixed: bool) -> None:
+    dataset = _GradSamples(mixed)
+    expected = torch.utils.data.default_collate([dataset[i] for i in range(4)])
+    with DataLoader(dataset, batch_size=4, **mode) as loader:
+        batch = next(iter(loader))
+    assert batch.dtype == expected.dtype and torch.equal(batch, expected) and batch.grad_fn is not None
+    batch.sum().backward()  # the graph reaches the dataset's weight
+    assert torch.equal(dataset.weight.grad[:4], torch.full((4, 3), 2.0)) and not dataset.weight.grad[4:].any()
+
+
+def test_samples_that_require_grad_cross_processes_as_tensors_that_require_grad() -> None:
+    """A graph cannot cross processes (torch's workers raise there): the batch comes back as a
+    tensor that requires grad, its values those of the stacked samples."""
+    dataset = _GradSamples(False)
+    with DataLoader(dataset, batch_size=4, num_workers=2) as loader:
+        batch = next(iter(loader))
+    assert batch.requires_grad and torch.equal(batch.detach(), (dataset.weight[:4] * 2).detach())
+
+
+def test_dict_samples_with_their_keys_in_another_order_batch_by_the_first_samples_keys() -> None:
+    samples = [{"a": 1, "b": 2.0}, {"b": 4.0, "a": 3}]
+    expected = torch.utils.data.default_collate(samples)
+    got = default_batchify_fn(samples)
+    assert list(got) == list(expected) == ["a", "b"]
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    with pytest.raises(ValueError, match="dict samples of one batch must have the same keys"):
+        default_batchify_fn([{"a": 1}, {"a": 2, "c": 3}])
 
 
 @pytest.mark.parametrize("pad", [Pad(pad_val=-1), Pad(val=-1)], ids=["gluonnlp", "mxnet2"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gloader import ArrayDataset, Dataset, IterableDataset, SimpleDataset
+from gloader import ArrayDataset, DataLoader, Dataset, IterableDataset, SimpleDataset
 
 
 def test_transform_applies_to_whole_sample_and_unpacks_tuples() -> None:
@@ -64,3 +64,15 @@ def test_a_subclass_missing_a_method_is_named_with_the_method() -> None:
         Images()[0]
     with pytest.raises(NotImplementedError, match="Lines must implement __iter__"):
         iter(Lines())
+
+
+def test_a_length_that_is_not_an_integer_is_named_not_called_missing() -> None:
+    class HalfLength:
+        def __len__(self) -> float:
+            return 2.5
+
+        def __getitem__(self, idx: int) -> int:
+            return idx
+
+    with pytest.raises(TypeError, match=r"HalfLength.__len__\(\) returned 2.5, which is not a non-negative integer"):
+        DataLoader(HalfLength())
