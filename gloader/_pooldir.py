@@ -10,6 +10,11 @@ nobody lives to use the directory. flock works across pid namespaces (containers
 may hold a killed process's lock a moment after the process is gone (it closes the files of
 the dead late: a sweep ~50 ms after a kill found ~8 in ~140 still held here); such a
 directory goes with a later sweep.
+
+The directories live in a base directory of the user's own, `gloader-<uid>` in the temp
+directory, made with mode 0700 and checked (a directory, not a link, owned by the user, closed
+to others) before use, so no other user can plant, read or remove anything there. A sweep opens
+nothing in a way that can block or follow a link: a FIFO or a link named `alive` is left alone.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import glob
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 
@@ -33,11 +39,36 @@ _ALIVE = "alive"
 _UNMARKED_GRACE_S = 3600.0
 
 
+def user_base() -> str:
+    """The user's own directory for pool directories: made 0700 if absent, checked if present.
+
+    Raises:
+        PermissionError: when the path exists but is not a directory of this user's, closed
+            to others (another user made it, or it is a link), naming the path and the fix.
+    """
+    path = os.path.join(tempfile.gettempdir(), f"gloader-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{path} must be a directory of this user's (uid {os.getuid()}) that others cannot "
+                              f"use (mode 0700), but it is {_describe(info)}; remove it, or point TMPDIR at a "
+                              "directory of your own")
+    return path
+
+
+def _describe(info: os.stat_result) -> str:
+    kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a link" if stat.S_ISLNK(info.st_mode) else "not a directory"
+    return f"{kind} of uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}"
+
+
 class PoolDirectory:
     """Make a pool's directory, marked alive, after removing those whose process is gone."""
 
     def __init__(self) -> None:
-        self.path = tempfile.mkdtemp(prefix=_PREFIX)
+        self.path = tempfile.mkdtemp(prefix=_PREFIX, dir=user_base())
         marking = os.path.join(self.path, _ALIVE + ".new")
         self._alive = os.open(marking, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._alive, fcntl.LOCK_SH)  # shared: a sweeper's try for LOCK_EX fails
@@ -66,15 +97,21 @@ def sweep_orphans(parent: str, keep: str | None = None) -> int:
 
 def _orphaned(path: str) -> bool:
     try:
-        fd = os.open(os.path.join(path, _ALIVE), os.O_RDONLY | os.O_CLOEXEC)
+        info = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return False  # not a directory of ours: never touched
+    try:  # never blocks (a FIFO), never follows a link
+        fd = os.open(os.path.join(path, _ALIVE), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:  # being made, or an older gloader's: by age
-        try:
-            return time.time() - os.stat(path).st_mtime > _UNMARKED_GRACE_S
-        except OSError:
-            return False
-    except OSError:  # another user's, or gone already
+        return time.time() - info.st_mtime > _UNMARKED_GRACE_S
+    except OSError:  # a link, another user's, or gone already
         return False
     try:
+        marker = os.fstat(fd)
+        if not stat.S_ISREG(marker.st_mode) or marker.st_uid != os.getuid():
+            return False  # not a marker any pool made
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return False  # held: its pool lives

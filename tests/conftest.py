@@ -52,7 +52,7 @@ def payload_dirs() -> set[str]:
     import glob
     import tempfile
 
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "gloader-payload-*")))
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"gloader-{os.getuid()}", "gloader-payload-*")))
 
 
 def segment_sizes(pids: list[int]) -> dict[str, int]:

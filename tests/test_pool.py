@@ -462,3 +462,44 @@ def test_oversubscribed_workers_ask_for_a_longer_time_slice_and_keep_their_nice_
         pytest.skip("this kernel does not report time slices (custom slices need Linux 6.12+)")
     assert oversubscribed[2] == _worker._WORKER_SLICE_NS
     assert fitting[2] != _worker._WORKER_SLICE_NS
+
+
+def test_files_planted_in_the_shared_temp_directory_neither_hang_nor_reach_a_new_pool(tmp_path, monkeypatch) -> None:
+    """Another local user can write to /tmp: a FIFO or a link named as a pool directory's
+    marker there must not block or steer a new pool, threads included."""
+    import tempfile
+
+    from gloader import _pooldir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    planted = tmp_path / "gloader-payload-planted"
+    planted.mkdir()
+    os.mkfifo(planted / "alive")  # what an older gloader would have opened, blocking
+    for thread_pool in (False, True):
+        with WorkerPool(1, thread_pool=thread_pool) as pool:
+            with DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
+                assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    assert (planted / "alive").exists()  # left alone: not ours to remove
+    base = tmp_path / f"gloader-{os.getuid()}"
+    assert oct(base.stat().st_mode & 0o777) == "0o700"
+    inside = base / "gloader-payload-odd"  # even inside the user's own directory: nothing blocks
+    inside.mkdir()
+    os.mkfifo(inside / "alive")
+    (base / "gloader-payload-link").symlink_to(planted)
+    assert _pooldir.sweep_orphans(str(base)) == 0
+
+
+def test_a_base_directory_others_can_use_is_refused_naming_the_path_and_the_fix(tmp_path, monkeypatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    base = tmp_path / f"gloader-{os.getuid()}"
+    base.mkdir(mode=0o777)
+    base.chmod(0o777)  # as another user could leave it, open to everyone
+    with pytest.raises(PermissionError, match=rf"{base} must be a directory of this user's .* mode 777.*TMPDIR"):
+        with DataLoader(np.arange(4), batch_size=2, num_workers=1) as loader:
+            list(loader)
+    base.rmdir()
+    base.symlink_to(tmp_path)
+    with pytest.raises(PermissionError, match="it is a link"):
+        WorkerPool(1)
