@@ -12,7 +12,7 @@ the dead late: a sweep ~50 ms after a kill found ~8 in ~140 still held here); su
 directory goes with a later sweep.
 
 The directories live in a base directory of the user's own, `gloader-<uid>` in the temp
-directory, made with mode 0700 and checked (a directory, not a link, owned by the user, closed
+directory (removed when its last pool directory goes), made with mode 0700 and checked (a directory, not a link, owned by the user, closed
 to others) before use, so no other user can plant, read or remove anything there. A sweep opens
 nothing in a way that can block or follow a link: a FIFO or a link named `alive` is left alone.
 """
@@ -68,7 +68,13 @@ class PoolDirectory:
     """Make a pool's directory, marked alive, after removing those whose process is gone."""
 
     def __init__(self) -> None:
-        self.path = tempfile.mkdtemp(prefix=_PREFIX, dir=user_base())
+        for attempt in range(3):
+            try:
+                self.path = tempfile.mkdtemp(prefix=_PREFIX, dir=user_base())
+                break
+            except FileNotFoundError:  # another process's last pool removed the empty base just now
+                if attempt == 2:
+                    raise
         marking = os.path.join(self.path, _ALIVE + ".new")
         self._alive = os.open(marking, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._alive, fcntl.LOCK_SH)  # shared: a sweeper's try for LOCK_EX fails
@@ -83,6 +89,10 @@ class PoolDirectory:
             shutil.rmtree(self.path, ignore_errors=True)
             os.close(self._alive)
             self._alive = -1
+            try:  # the last pool leaves no trace in the temp directory: the base goes once empty
+                os.rmdir(os.path.dirname(self.path))
+            except OSError:
+                pass
 
 
 def sweep_orphans(parent: str, keep: str | None = None) -> int:

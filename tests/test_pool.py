@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pathlib
 import pickle
 import platform
 import subprocess
@@ -475,13 +476,15 @@ def test_files_planted_in_the_shared_temp_directory_neither_hang_nor_reach_a_new
     planted = tmp_path / "gloader-payload-planted"
     planted.mkdir()
     os.mkfifo(planted / "alive")  # what an older gloader would have opened, blocking
+    base = tmp_path / f"gloader-{os.getuid()}"
     for thread_pool in (False, True):
         with WorkerPool(1, thread_pool=thread_pool) as pool:
             with DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
                 assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+            assert oct(base.stat().st_mode & 0o777) == "0o700"  # the pools' directories are in it
     assert (planted / "alive").exists()  # left alone: not ours to remove
-    base = tmp_path / f"gloader-{os.getuid()}"
-    assert oct(base.stat().st_mode & 0o777) == "0o700"
+    assert not base.exists()  # the last pool removed its empty base: nothing left in the temp directory
+    base = pathlib.Path(_pooldir.user_base())
     inside = base / "gloader-payload-odd"  # even inside the user's own directory: nothing blocks
     inside.mkdir()
     os.mkfifo(inside / "alive")
