@@ -111,6 +111,7 @@ class PoolCore:
         self.payload_dir = self._directory.path
         self._closed = False
         self._watched: list[Any] = []  # worker processes not yet seen dead
+        self._ended: list[Any] = []  # worker processes seen dead: their sentinels close with the pool
         self._killed: set[Any] = set()  # worker processes killed on purpose: no death to report
         self._deaths: list[_Death] = []  # noticed, not reported yet
         self._lock = threading.Lock()  # loaders on a shared pool may wait and leave in different threads
@@ -204,6 +205,13 @@ class PoolCore:
         for process in self._watched:
             (alive if process.exitcode is None else dead).append(process)
         self._watched = alive
+        # Ended workers' sentinels are closed once the pool's maintenance thread has let go of
+        # them (a shared pool outlives many deaths), the rest with the pool.
+        ended = [p for p in self._ended if p in self.pool._pool]
+        for process in self._ended:
+            if process not in ended:
+                process.close()
+        self._ended = ended + dead
         for process in dead:
             code = process.exitcode
             if process in self._killed:
@@ -381,7 +389,15 @@ class PoolCore:
             return
         # The pipe that woke the maintenance thread, which has stopped: closed now, not when the
         # pool object is collected, which an exception's traceback (kept by a notebook) can delay.
+        # The same for the queues' ends and locks and the ended workers' sentinels.
         self.pool._change_notifier.close()
+        if not self.is_thread:
+            self.pool._inqueue.release()
+            self.pool._outqueue.release()
+            pool = self.pool
+            for process in {*self._ended, *self._watched, *pool.started, *pool._pool}:
+                if process.exitcode is not None:
+                    process.close()
 
 
 def _join_all(processes: list[Any], timeout_s: float) -> bool:

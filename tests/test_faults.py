@@ -4,6 +4,7 @@ hang, and leaks nothing (the autouse fixture in conftest checks processes, threa
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -18,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
+import gloader
 from gloader import BatchTimeoutError, DataLoader, _pooldir
 from tests import _data
 from tests.conftest import dev_shm_names, payload_dirs, segment_sizes, semaphore_names, wait_until
@@ -403,3 +405,28 @@ def test_ctrl_c_while_spawned_workers_still_start_does_not_kill_them(tmp_path) -
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "caller handled SIGINT" in out and out.count("epoch 120") == 2, out + err
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-pool", "shared-pool"])
+def test_pools_outliving_or_restarted_after_dead_workers_release_their_descriptors_at_once(shared: bool) -> None:
+    """With the cyclic garbage collector off, as in a long job between its runs: each restart
+    (or replacement, on a shared pool) used to keep ~12 descriptors until it ran."""
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    gc.collect()
+    gc.disable()
+    try:
+        pool = gloader.WorkerPool(2) if shared else None
+        kwargs = {"pool": pool} if shared else {"num_workers": 2}
+        with DataLoader(_data.DiesAt(bad=5, how="kill", length=16), batch_size=4, **kwargs) as loader:
+            counts = []
+            for _ in range(12):
+                with pytest.raises(gloader.WorkerExitedError):
+                    list(loader)
+                counts.append(descriptors())
+        if pool is not None:
+            pool.close()
+        assert max(counts[2:]) <= counts[1] + 2, counts  # flat, not ~12 more per death
+    finally:
+        gc.enable()
