@@ -573,6 +573,10 @@ class Engine:
             deadline = time.monotonic() + timeout_s
             for task in self._discarded:
                 task.result.wait(max(0.0, deadline - time.monotonic()))
+            if isinstance(backend, _OnPool):  # what did not finish by now never will (a dead worker's)
+                for task in self._discarded:
+                    if not task.result.ready():
+                        backend.core.forget(task.result)
             self._reap_discarded(backend)
 
         backend.close(drain, prompt)

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "make_pool_class", "on_result_sent", "on_task_taken",
+__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "forget_task", "make_pool_class", "on_result_sent", "on_task_taken",
            "on_task_wanted"]
 
 
@@ -258,6 +258,14 @@ class ProcessLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def forget_task(pool: Any, result: Any) -> None:
+    """Drop a task whose worker died holding it from the pool's record of pending tasks: it
+    will never complete, and while it is recorded the pool's maintenance thread keeps the
+    workers running after `close()` (no stop sentinels), so closing waited its full second.
+    A result that comes after all is dropped by the pool (it ignores unknown jobs)."""
+    pool._cache.pop(result._job, None)
 
 
 def _make_queue_class() -> Any:

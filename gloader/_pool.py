@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 from ._admission import usable_cpus
 from ._checks import check_flag, check_positive_int, check_start_method
-from ._mppool import ProcessLock, make_pool_class
+from ._mppool import ProcessLock, forget_task, make_pool_class
 from ._pooldir import PoolDirectory
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
@@ -260,6 +260,12 @@ class PoolCore:
         with open(path + ".tmp", "wb") as handle:
             pickle.dump(payload, handle, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(path + ".tmp", path)  # atomic: a worker never reads half a file
+
+    def forget(self, result: Any) -> None:
+        """A task of a loader leaving the pool that did not finish (its worker died, or hangs):
+        the pool stops waiting for it."""
+        if not self.is_thread:
+            forget_task(self.pool, result)
 
     def leave(self, loader_id: int) -> None:
         """Drop a loader: at once for thread workers, at their next task for process workers

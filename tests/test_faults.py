@@ -430,3 +430,20 @@ def test_pools_outliving_or_restarted_after_dead_workers_release_their_descripto
         assert max(counts[2:]) <= counts[1] + 2, counts  # flat, not ~12 more per death
     finally:
         gc.enable()
+
+
+def test_a_shared_pool_closes_promptly_after_a_loader_lost_a_task_to_a_dead_worker(caplog) -> None:
+    """The lost task is forgotten by the pool: its close neither waits its full second nor
+    warns that workers did not stop."""
+    pool = gloader.WorkerPool(2)
+    try:
+        with DataLoader(_data.DiesAt(bad=5, how="kill", length=16), batch_size=4, pool=pool) as loader:
+            with pytest.raises(gloader.WorkerExitedError):
+                list(loader)
+    finally:
+        with caplog.at_level(logging.WARNING, logger="gloader"):
+            started = time.monotonic()
+            pool.close()
+            took = time.monotonic() - started
+    assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
+    assert took < 0.9  # the workers take their stop sentinels: no terminate after the 1 s ask
