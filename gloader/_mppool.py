@@ -186,6 +186,16 @@ def _load_spilled(path: str) -> Any:
     return _ForkingPickler.loads(data)
 
 
+def _failed_result(obj: Any, exc: OSError, size: int, directory: str) -> Any:
+    """The pool's result message `(job, i, (success, value))` for a result that could not be
+    written to a file: the task fails with an OSError naming the directory, the size and the fix."""
+    job, index = obj[0], obj[1]
+    error = OSError(exc.errno, f"a worker could not write a {size / 2**20:.1f} MiB result to {directory}: "
+                               f"{os.strerror(exc.errno or 0)}; free space in the temp directory or point TMPDIR at "
+                               "a larger one", directory)
+    return (job, index, (False, error))
+
+
 def _spill(data: bytes, directory: str) -> bytes:
     """Write a result too large for the pipe to go in whole into a file of the pool's own
     directory, and return the small message that stands for it. A writer killed while it
@@ -363,7 +373,11 @@ def _make_queue_class() -> Any:
                 try:
                     message = _frame(data)
                     if len(message) > self._pipe_bytes:  # it could not go in whole: a file takes it
-                        message = _frame(_spill(data, self._spill_dir))
+                        try:
+                            message = _frame(_spill(data, self._spill_dir))
+                        except OSError as exc:  # a full disk fails the task, named, not the worker
+                            message = _frame(pickle.dumps(_failed_result(obj, exc, len(data), self._spill_dir),
+                                                          protocol=pickle.HIGHEST_PROTOCOL))
                     with self._wlock:
                         _write_whole(self._writer.fileno(), message)
                 except (BrokenPipeError, ConnectionResetError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import pickle
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterator
 from ._admission import usable_cpus
 from ._checks import check_flag, check_positive_int, check_start_method
 from ._mppool import ProcessLock, forget_task, make_pool_class
-from ._pooldir import PoolDirectory
+from ._pooldir import PoolDirectory, disk_full
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._worker import PoolSpec, StatusTable, initialize_process_worker, initialize_thread_worker, run_task
@@ -257,8 +258,16 @@ class PoolCore:
             register_loader(loader_id, payload, 0, self.num_workers, seeds_globals=False)
             return
         path = os.path.join(self.payload_dir, f"{loader_id}.pkl")
-        with open(path + ".tmp", "wb") as handle:
-            pickle.dump(payload, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        handle = open(path + ".tmp", "wb")
+        try:
+            with handle:
+                pickle.dump(payload, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(path + ".tmp")
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a bare "[Errno 28]" named no file
+                raise disk_full(path + ".tmp", len(payload.parts) if payload.pickled else 0, exc) from exc
+            raise
         os.replace(path + ".tmp", path)  # atomic: a worker never reads half a file
 
     def forget(self, result: Any) -> None:

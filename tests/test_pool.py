@@ -507,3 +507,39 @@ def test_a_base_directory_others_can_use_is_refused_naming_the_path_and_the_fix(
     base.symlink_to(tmp_path)
     with pytest.raises(PermissionError, match="it is a link"):
         WorkerPool(1)
+
+
+def _big_bytes(samples: list[Any]) -> bytes:
+    return b"x" * (4 << 20)  # travels in its answer, too large for the result pipe: spilled to a file
+
+
+def test_a_full_temp_directory_fails_the_batch_naming_the_directory_not_the_worker(monkeypatch) -> None:
+    import errno
+
+    from gloader import _mppool
+
+    def full(data: bytes, directory: str) -> bytes:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_mppool, "_spill", full)  # inherited by the forked worker
+    with DataLoader(list(range(8)), batch_size=2, num_workers=1, start_method="fork", batchify_fn=_big_bytes) as loader:
+        with pytest.raises(OSError, match=r"could not write a 4.0 MiB result to .*gloader-payload-.*TMPDIR") as info:
+            list(loader)
+        assert info.value.errno == errno.ENOSPC and loader.worker_pids()  # the worker lives on
+
+
+def test_joining_a_shared_pool_on_a_full_disk_names_the_file_and_the_fix(monkeypatch) -> None:
+    import errno
+
+    from gloader import _pool
+
+    def full(obj: Any, handle: Any, protocol: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with WorkerPool(1) as pool:
+        DataLoader(np.arange(4), batch_size=2, pool=pool).close()  # the pool runs
+        monkeypatch.setattr(_pool.pickle, "dump", full)
+        with pytest.raises(OSError, match=r"could not write .* to .*gloader-payload-.*\.pkl\.tmp: No space left.*TMPDIR"):
+            with DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
+                list(loader)
+        assert not [name for name in os.listdir(pool.core.payload_dir) if name.endswith(".tmp")]
