@@ -625,3 +625,21 @@ class DiesOnceAt(gloader.Dataset):
             open(self.marker, "w").close()
             os._exit(3)
         return np.array([idx], dtype=np.int64)
+
+
+class StampsAndDies(gloader.Dataset):
+    """The worker loading sample `bad` writes the time to `path`, then SIGKILLs itself."""
+
+    def __init__(self, bad: int, path: str, length: int = 64) -> None:
+        self.bad, self.path, self.length = bad, path, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.bad and gloader.get_worker_info() is not None:
+            with open(self.path, "w") as stamp:
+                stamp.write(repr(time.time()))
+            faulthandler.disable()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return np.array([idx], dtype=np.int64)
