@@ -44,22 +44,30 @@ class _Layout:
     """Where each field of a batch's samples goes: array fields into views of the slot,
     Python numbers into lists that become tensors at the end."""
 
-    def __init__(self, first: Any, count: int, memory: Any, start: int) -> None:
+    def __init__(self, first: Any, count: int) -> None:
         self.kind = type(first)
         fields = [first] if self.kind is np.ndarray else list(first)
         self.width = len(fields)
-        self.arrays: dict[int, np.ndarray] = {}  # field -> (count, *shape) view of the slot
+        self.count = count
+        self.arrays: dict[int, np.ndarray] = {}  # field -> (count, *shape) view of the slot, once bound
         self.numbers: dict[int, list[Any]] = {}
         self.offsets: dict[int, int] = {}  # field -> byte offset in the batch
+        self._fields: dict[int, tuple[tuple[int, ...], np.dtype[Any]]] = {}
         total = 0
         for index, field in enumerate(fields):
             if type(field) is np.ndarray:
                 self.offsets[index] = total
-                self.arrays[index] = np.ndarray((count,) + field.shape, field.dtype, memory, start + total)
+                self._fields[index] = (field.shape, field.dtype)
                 total += round_up(count * field.nbytes, _ALIGN_BYTES)
             else:
                 self.numbers[index] = []
         self.array_bytes = total
+
+    def bind(self, memory: Any, start: int) -> None:
+        """Make the array fields' views of the slot, from byte `start` (checked to fit first:
+        a view past the mapping's end is an error)."""
+        for index, (shape, dtype) in self._fields.items():
+            self.arrays[index] = np.ndarray((self.count,) + shape, dtype, memory, start + self.offsets[index])
 
     def write(self, row: int, sample: Any) -> bool:
         """Write one sample; False (nothing written) when it does not fit the layout."""
@@ -134,10 +142,12 @@ def load_rows(load: Callable[[Any], Any], keys: list[Any], space: SlotSpace | No
     if space is None or slot is None or not _fits(first):
         return None, [first]
     count = len(keys)
-    layout = _Layout(first, count, maps.get(slot), _HEADER_BYTES + space.offset)
-    # Numbers take at most 16 bytes each (complex128); they go after the arrays.
+    layout = _Layout(first, count)
+    # Numbers take at most 16 bytes each (complex128); they go after the arrays. A batch that
+    # does not fit (larger than any before) is batched the usual way and travels in its handle.
     if space.offset + layout.array_bytes + len(layout.numbers) * round_up(16 * count, _ALIGN_BYTES) > slot[3]:
         return None, [first]
+    layout.bind(maps.get(slot), _HEADER_BYTES + space.offset)
     layout.write(0, first)
     del first
     for row in range(1, count):

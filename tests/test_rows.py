@@ -156,3 +156,30 @@ def test_a_loader_reports_a_bad_sample_as_the_default_batchify_does(dataset, err
         with pytest.raises(error, match=match):
             next(it)
         assert [len(batch[1]) for batch in it] == [8, 8, 8]  # the loader goes on
+
+
+class _Growing:
+    """Samples of batch b (of `per`): float32 values of their index, 1% more of them each batch
+    from 16 KiB (row-wise batching's size), as variable-size images or audio grow."""
+
+    def __init__(self, per: int) -> None:
+        self.per = per
+
+    def __len__(self) -> int:
+        return 120 * self.per
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        return np.full(int(16384 * 1.01 ** (idx // self.per)) // 4, idx, np.float32)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_batch_larger_than_every_slot_before_it_travels_instead_of_failing(batch_size: int) -> None:
+    """Each batch ~1% larger than the one before: past the slots' headroom it must travel in
+    its handle (it raised "buffer is too small" after ~38 steps)."""
+    dataset = _Growing(batch_size)
+    with DataLoader(dataset, batch_size=batch_size, num_workers=2) as loader:
+        batches = list(loader)
+    assert len(batches) == 120
+    for index, batch in enumerate(batches):
+        keys = range(index * batch_size, (index + 1) * batch_size)
+        assert torch.equal(batch, torch.from_numpy(np.stack([dataset[k] for k in keys])))
