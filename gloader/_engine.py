@@ -53,6 +53,7 @@ from ._protocol import (
     StreamRequest,
     WorkerExitedError,
     WorkerFailure,
+    decode_answer,
     decode_answers,
     decode_keys,
 )
@@ -416,10 +417,19 @@ class Engine:
         if task.taken == len(task.jobs):
             self._tasks.remove(task)
         ready = time.monotonic()
-        message = task.answers[position]
+        item = task.answers[position]
         task.answers[position] = None  # the batch is the caller's now
         slot = task.slot
         slots = self._backend.slots if self._backend is not None else None
+        try:
+            message = decode_answer(item)
+        except Exception as exc:  # this batch's answer only: the task's others come at their turn
+            if slots is not None:
+                slots.give_back(slot, None)
+            job = task.jobs[position]
+            exc.add_note(f"gloader: batch {job.number} of epoch {epoch}{_describe_keys(job)} was loaded by a "
+                         "worker, but its answer could not be rebuilt in this process")
+            raise
         if not isinstance(message, Loaded):
             if slots is not None:
                 slots.give_back(slot, None)
@@ -542,7 +552,10 @@ class Engine:
                 except Exception:
                     task.answers = [None] * len(task.jobs)
             for position in range(task.taken, len(task.jobs)):
-                message = task.answers[position]
+                try:
+                    message = decode_answer(task.answers[position])
+                except Exception:
+                    message = None
                 slots.give_back(task.slot, message.batch if isinstance(message, Loaded) else None)
         self._discarded = keep
 

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 
 __all__ = ["BatchTimeoutError", "Job", "Loaded", "ShardEnd", "StreamRequest", "WorkerExitedError", "WorkerFailure",
-           "decode", "decode_answers", "decode_keys", "encode", "encode_answers", "encode_keys"]
+           "decode", "decode_answer", "decode_answers", "decode_keys", "encode", "encode_answers", "encode_keys"]
 
 
 class BatchTimeoutError(TimeoutError, RuntimeError):
@@ -218,18 +218,24 @@ def decode(data: bytes) -> Any:
 
 
 def encode_answers(answers: list[Any]) -> bytes:
-    """One task's answers as one bytes object for the caller (one pickle: a batch that travels
-    in its handle is copied once). Items may be `encode`d bytes already: a worker sends those
-    for answers that cannot be pickled whole, and `decode_answers` decodes them one by one."""
+    """One task's answers as one bytes object for the caller. Items may be `encode`d bytes (a
+    process worker sends each answer so), which the caller decodes one by one, at its batch's
+    turn (`decode_answer`): an answer that cannot be rebuilt there fails its own batch only."""
     return encode(answers)
 
 
 def decode_answers(answer: Any) -> list[Any]:
-    """A task's answers: decoded from `encode_answers` bytes, or the list thread workers and
-    in-process loading return."""
+    """A task's answers, from `encode_answers` bytes (items still `encode`d, see
+    `decode_answer`) or the list thread workers and in-process loading return."""
     if isinstance(answer, bytes):
-        return [decode(item) if isinstance(item, bytes) else item for item in decode(answer)]
+        return list(decode(answer))
     return list(answer)
+
+
+def decode_answer(item: Any) -> Any:
+    """One answer of `decode_answers`, decoded if it came encoded (may raise what unpickling it
+    raises in this process)."""
+    return decode(item) if isinstance(item, bytes) else item
 
 
 def encode_keys(keys: Any) -> Any:

@@ -327,10 +327,8 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
             answers.append(message)
     if not state.crosses_process:
         return answers
-    try:
-        return encode_answers(answers)
-    except Exception:  # a non-tensor part of a batch cannot be pickled, even by dill: say which
-        return encode_answers([_send(state, message, batch[0]) for message, batch in zip(answers, batches)])
+    # Each answer pickled on its own: one the caller cannot unpickle fails its batch alone.
+    return encode_answers([_send(state, message, batch[0]) for message, batch in zip(answers, batches)])
 
 
 def _send(state: WorkerState, message: Any, batch_index: int) -> bytes:

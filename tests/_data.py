@@ -643,3 +643,33 @@ class StampsAndDies(gloader.Dataset):
             faulthandler.disable()
             os.kill(os.getpid(), signal.SIGKILL)
         return np.array([idx], dtype=np.int64)
+
+
+def _rebuilt_in_a_worker_only(value: int) -> WorkerOnly:
+    if gloader.get_worker_info() is None:
+        raise CustomLookupError(f"WorkerOnly({value}) cannot be rebuilt outside a worker")
+    return WorkerOnly(value)
+
+
+class WorkerOnly:
+    """Pickles in a worker, but unpickling it in the caller raises: an answer that cannot be
+    rebuilt where it arrives (a class the caller cannot import behaves the same)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> Any:
+        return (_rebuilt_in_a_worker_only, (self.value,))
+
+
+class OneWorkerOnly(gloader.Dataset):
+    """Sample i is i, except sample `bad`, a WorkerOnly."""
+
+    def __init__(self, bad: int, length: int = 64) -> None:
+        self.bad, self.length = bad, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        return WorkerOnly(idx) if idx == self.bad else idx

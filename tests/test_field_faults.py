@@ -377,3 +377,22 @@ def test_a_second_ctrl_c_while_close_waits_for_the_workers_still_stops_them(monk
         loader.close()
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
     # the leak guard then checks that no process, thread, fd or segment is left
+
+
+def test_a_batch_whose_answer_cannot_be_rebuilt_in_the_caller_fails_alone() -> None:
+    """Small batches travel several to a task; the one the caller cannot unpickle raises, named,
+    at its turn, and the other batches of its task still come (they were lost silently)."""
+    with DataLoader(_data.OneWorkerOnly(21), batch_size=4, num_workers=2, batchify_fn=list) as loader:
+        it = iter(loader)
+        got, failures = [], []
+        while True:
+            try:
+                got.append(next(it))
+            except StopIteration:
+                break
+            except _data.CustomLookupError as exc:
+                failures.append(exc)
+        assert len(failures) == 1 and "batch 5 of epoch 0 (sample indices [20, 21, 22, 23])" in "".join(
+            failures[0].__notes__)
+        assert [x for batch in got for x in batch] == [i for i in range(64) if not 20 <= i < 24]
+        assert loader.state_dict()["epoch"] == 1
