@@ -60,7 +60,7 @@ from ._protocol import (
 from ._registry import Payload, Registration
 from ._seed import preserved_global_rng, seed_global_rng
 from ._snapshot import Picture, first_difference, picture
-from ._transport import Slot, SlotPool
+from ._transport import TASK_BYTES, Slot, SlotPool
 from ._worker import WorkerState, execute
 
 __all__ = ["Collected", "Engine"]
@@ -97,7 +97,7 @@ _HELD_WITH_DESCRIPTOR = 4
 # behind these numbers: docs/design.md, "Several small batches to a task".
 _TASK_TARGET_S = 0.02
 _MAX_BATCHES_PER_TASK = 32
-_TASK_BYTES = 1 << 20
+_TASK_BYTES = TASK_BYTES  # the slots are sized for it
 # The sample keys a task message may carry (room left for the rest of the message), and
 # what a key that is not part of an int64 array is taken to need.
 _TASK_KEY_BYTES = ATOMIC_TASK_BYTES - 2048

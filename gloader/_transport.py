@@ -48,7 +48,7 @@ import torch
 from ._math import round_up
 from ._tree import Leaf, Opaque
 
-__all__ = ["SlotMaps", "SlotPool", "SlotSpace", "close_inherited_segments", "pack_batch"]
+__all__ = ["TASK_BYTES", "SlotMaps", "SlotPool", "SlotSpace", "close_inherited_segments", "pack_batch"]
 
 # Leaves start on 64-byte boundaries: any dtype view is aligned, and no two leaves share a
 # cache line that two writers could contend on. The header takes the first 64 bytes.
@@ -69,6 +69,16 @@ _PROBE_BYTES = 256 << 20
 # ends before the first batch comes back.
 _MAX_PROBES = 16
 _MADV_DONTFORK = 10  # linux/mman.h
+_MADV_REMOVE = 9  # frees a range of a shared memory file's pages, for every process that maps it
+# The batch bytes a task carries at most (the engine sizes tasks to it): what a slot for
+# several small batches needs, however many a task carried before.
+TASK_BYTES = 1 << 20
+# Batch sizes a slot's size follows: the largest of the latest this many. Larger: slots that
+# fit an occasional big batch stay longer; smaller: memory returns sooner after one.
+_RECENT_SIZES = 64
+# A free slot more than this many times the size a new one would get now is retired as it
+# comes back, not lent again: one large batch does not size the slots that follow it.
+_OVERSIZED = 4
 # A worker maps all of a new slot's pages at once rather than faulting them in one by one
 # (Linux 5.14+; elsewhere the call fails and nothing changes): the first writer with
 # POPULATE_WRITE, the others with POPULATE_READ (docs/design.md, "Batches through reused
@@ -373,7 +383,8 @@ def _used_bytes(slot: _Lendable) -> int:
 
 
 class _Lendable:
-    __slots__ = ("segment", "header", "token", "capacity", "fd", "pending", "probe")
+    __slots__ = ("segment", "header", "token", "capacity", "fd", "pending", "probe", "holes", "lent", "collected",
+                 "extent", "released", "tail_given")
 
     def __init__(self, fd: int, segment: Segment) -> None:
         self.segment = segment
@@ -384,6 +395,20 @@ class _Lendable:
         self.fd = fd
         self.pending = 0  # batches lent with it that are not back yet (see SlotPool.release)
         self.probe = False  # lent before any batch size was known (see SlotPool.acquire)
+        self.holes = False  # pages of it were given back (see SlotPool.release): reserve before lending
+        self.lent = 0  # batches of the task it was last lent with
+        self.collected = 0  # of those, rebuilt or given back by the caller
+        self.extent = 0  # the end of the bytes those batches use
+        self.released: list[tuple[int, int]] = []  # byte ranges of its freed batches (while others are held)
+        self.tail_given = False  # the bytes past `extent` were given back
+
+    def punch(self, start: int, end: int) -> None:
+        """Give back the memory of bytes [start, end) of the segment (whole pages inside it),
+        for every process that maps it; what is written there later takes new pages."""
+        first, last = round_up(start, _PAGE_BYTES), end // _PAGE_BYTES * _PAGE_BYTES
+        if last > first:
+            _libc().madvise(ctypes.addressof(self.segment) + first, last - first, _MADV_REMOVE)
+            self.holes = True
 
     def close_fd(self) -> None:
         if self.fd >= 0:
@@ -393,6 +418,17 @@ class _Lendable:
     def retire(self) -> None:
         self.header[_RETIRED] = 1
         self.close_fd()
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges joined where they touch or overlap, in order."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 class SlotPool:
@@ -422,8 +458,15 @@ class SlotPool:
         self._slots: dict[int, _Lendable] = {}  # token -> slot, lent, held or free
         self._free: list[_Lendable] = []
         self._descriptors = 0
-        self._size_hint = 0  # bytes of the largest batch seen: what a lent slot must hold
+        self._size_hint = 0  # bytes of the largest of the latest batches: what a lent slot must hold
+        self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_SIZES)
+        self._typical_size: int | None = None  # see _typical; None: to be computed again
         self._most_batches = 1  # the most batches lent with one slot so far
+        # Pages of page-locked slots (register) are never given back: a device copy reads them.
+        self._punchable = register is None
+        # Slots holding freed batches' pages while others of their task are still held; given
+        # back once the caller holds more slots than a loop does (see release).
+        self._to_punch: collections.deque[int] = collections.deque()  # their tokens: retired ones are skipped
         self._probes = 0  # probe slots lent (see _lend_probe)
         self._closed = False
         self._pid = os.getpid()
@@ -440,20 +483,43 @@ class SlotPool:
                 return None
             if not self._size_hint:
                 return self._lend_probe(batches)
-            needed = batches * round_up(self._size_hint, _ALIGN_BYTES)
+            # What the task's batches need: each as large as most recent ones (7 in 8); a task of
+            # one batch, room for the largest recent one too. An odd larger batch among many small
+            # ones travels in its handle rather than size every slot of the window.
+            needed = batches * self._typical()
+            if batches == 1:
+                needed = max(needed, round_up(self._size_hint, _ALIGN_BYTES))
+            self._most_batches = max(self._most_batches, batches, most)
+            room = max(needed, self._room())
+            for unfit in [free for free in self._free if free.capacity > _OVERSIZED * room]:
+                self._free.remove(unfit)  # sized for batches long gone
+                self._retire(unfit)
             for found in reversed(self._free):  # the most recently freed first: its pages are likeliest cached
-                if found.capacity >= needed:
+                if needed <= found.capacity:
                     self._free.remove(found)
                     return self._lend(found, batches)
             for small in list(self._free):  # all smaller than what is coming: replaced by bigger ones
                 self._free.remove(small)
                 self._retire(small)
-            self._most_batches = max(self._most_batches, batches, most)
-            room = self._most_batches * round_up(self._size_hint, _ALIGN_BYTES)
         size = round_up(_HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
         made = _Lendable(*_create_segment(size, register=self._register))
         with self._lock:
             return self._adopt(made, batches)
+
+    def _room(self) -> int:
+        """What a slot needs now (call holding the lock): room for the most batches a task
+        carries, which the engine keeps within TASK_BYTES unless one batch alone is larger, so
+        an earlier task's count of small batches does not multiply a large one (a task of one
+        large batch asks for its size in `acquire`)."""
+        return max(self._typical(), min(self._most_batches * self._typical(), TASK_BYTES))
+
+    def _typical(self) -> int:
+        """A batch size that most recent batches do not exceed (7 in 8 of them; call holding
+        the lock), aligned as batches are placed."""
+        if self._typical_size is None:
+            recent = sorted(self._recent) or [self._size_hint]
+            self._typical_size = round_up(recent[len(recent) * 7 // 8], _ALIGN_BYTES)
+        return self._typical_size
 
     def _lend_probe(self, batches: int) -> Slot | None:
         """A slot for the first window, before any batch's size is known (call holding the
@@ -475,7 +541,16 @@ class SlotPool:
         return self._lend(made, batches)
 
     def _lend(self, lent: _Lendable, batches: int) -> Slot:
-        lent.pending = batches
+        if lent.holes and not lent.probe:  # reserved again, so a writer meets no unbacked page
+            try:
+                os.posix_fallocate(lent.fd, 0, len(lent.segment))
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise _out_of_memory(len(lent.segment), exc) from exc
+                raise
+            lent.holes = False
+        lent.pending = lent.lent = batches
+        lent.collected, lent.extent, lent.released, lent.tail_given = 0, _HEADER_BYTES, [], False
         return (self._pid, lent.fd, lent.token, lent.capacity)
 
     def rebuild(self, slot: Slot | None, handle: tuple[Any, ...]) -> Any:
@@ -487,14 +562,16 @@ class SlotPool:
             self.give_back(slot, None)
             return _decode(spec, np.frombuffer(inline, dtype=np.uint8) if inline is not None
                            else np.empty(0, dtype=np.uint8))
+        start = _HEADER_BYTES + offset
         with self._lock:
             lent = self._slots[token]
             if self._descriptors > self._max_descriptors and lent.fd >= 0:  # see the class: retired when released
                 lent.close_fd()
                 self._descriptors -= 1
-        base = np.frombuffer(lent.segment, dtype=np.uint8, count=total, offset=_HEADER_BYTES + offset)
+            self._collected(lent, start + total)
+        base = np.frombuffer(lent.segment, dtype=np.uint8, count=total, offset=start)
         batch = _decode(spec, base)
-        release = weakref.finalize(base, self.release, token)
+        release = weakref.finalize(base, self.release, token, start, start + total)
         release.atexit = False
         return batch
 
@@ -504,28 +581,68 @@ class SlotPool:
         if handle is not None:
             self._note_size(handle[2])
         if slot is not None:
-            self.release(slot[2])
+            written = handle is not None and handle[0] == slot[2]  # its bytes are in the slot
+            start = _HEADER_BYTES + handle[1] if written and handle is not None else 0
+            end = start + handle[2] if written and handle is not None else 0
+            with self._lock:
+                lent = self._slots.get(slot[2])
+                if lent is not None:
+                    self._collected(lent, end)
+            self.release(slot[2], start, end)
 
-    def release(self, token: int) -> None:
-        """One batch lent with the slot is back; after the last, return the slot to the free
-        list, or retire it (closed, in surplus, or without its descriptor)."""
+    def release(self, token: int, start: int = 0, end: int = 0) -> None:
+        """One batch lent with the slot is back (its bytes were [start, end) of the slot);
+        after the last, return the slot to the free list, or retire it (closed, in surplus,
+        or without its descriptor). A batch back while others of its slot are still held gives
+        its pages back once the caller holds more slots than a training loop does (a loop
+        holds one or two batches: then nothing is given back only to be reserved again), so
+        a held batch keeps about its own bytes, not its task's."""
         with self._lock:
             lent = self._slots.get(token)
             if lent is None:
                 return
             lent.pending -= 1
             if lent.pending > 0:
+                if end > start and self._punchable:
+                    lent.released.append((start, end))
+                    self._to_punch.append(token)
+                    self._punch_if_holding()
                 return
-            if self._closed or lent.fd < 0 or lent.probe or len(self._free) >= self._max_spare:
+            lent.released = []
+            if self._closed or lent.fd < 0 or lent.probe or len(self._free) >= self._max_spare \
+                    or lent.capacity > _OVERSIZED * self._room():  # sized for batches long gone
                 self._retire(lent)
             else:
                 self._free.append(lent)
 
+    def _collected(self, lent: _Lendable, end: int) -> None:
+        """One batch of the slot's task reached the caller (call holding the lock)."""
+        lent.collected += 1
+        lent.extent = max(lent.extent, end)
+        if lent.collected == lent.lent and lent.holes:  # its extent is final: the rest can go too
+            self._to_punch.append(lent.token)
+
+    def _punch_if_holding(self) -> None:
+        """Give back the pages of freed batches, and the unused rest of slots whose task is
+        all collected, once the caller holds more slots than a loop does (call holding the lock)."""
+        if len(self._slots) <= self._max_descriptors:
+            return
+        while self._to_punch:
+            lent = self._slots.get(self._to_punch.popleft())
+            if lent is None or lent.pending <= 0:
+                continue  # retired or free since: nothing of it is held
+            if lent.released:  # freed batches side by side make one range: their shared pages go too
+                for start, end in _merged(lent.released):
+                    lent.punch(start, end)
+            if lent.collected == lent.lent and not lent.tail_given:
+                lent.punch(lent.extent, len(lent.segment))
+                lent.tail_given = True
+
     def in_use_bytes(self) -> int:
-        """Bytes of shared memory this loader holds mapped (free slots included; of a probe
-        slot, the pages written)."""
+        """Bytes of shared memory this loader's slots hold (free slots included; of a probe slot,
+        the pages written; of a slot with pages given back, those left)."""
         with self._lock:
-            return sum(_used_bytes(slot) if slot.probe else len(slot.segment) for slot in self._slots.values())
+            return sum(map(_used_bytes, self._slots.values()))
 
     def close(self) -> None:
         """Retire every slot; batches the user still holds stay valid until freed."""
@@ -534,14 +651,23 @@ class SlotPool:
             for slot in list(self._slots.values()):
                 self._retire(slot)
             self._free = []
+            self._to_punch.clear()
 
     def _retire(self, slot: _Lendable) -> None:
+        if slot.pending <= 0 and self._punchable:  # no batch of it is held: its memory goes now,
+            slot.punch(_PAGE_BYTES, len(slot.segment))  # however long workers keep it mapped (the header stays)
         if slot.fd >= 0:
             self._descriptors -= 1
         slot.retire()
         del self._slots[slot.token]  # unmapped once no view of it is left (see _map_fd)
 
     def _note_size(self, total: int) -> None:
-        if total > self._size_hint:
-            with self._lock:
-                self._size_hint = max(self._size_hint, total)
+        with self._lock:
+            recent = self._recent
+            leaving = recent[0] if len(recent) == recent.maxlen else -1
+            recent.append(total)
+            self._typical_size = None
+            if total >= self._size_hint:
+                self._size_hint = total
+            elif leaving == self._size_hint:  # the largest of the latest sizes went out of the window
+                self._size_hint = max(recent)

@@ -673,3 +673,21 @@ class OneWorkerOnly(gloader.Dataset):
 
     def __getitem__(self, idx: int) -> Any:
         return WorkerOnly(idx) if idx == self.bad else idx
+
+
+class OneLarge(gloader.Dataset):
+    """float32 samples of `small_bytes`, except sample `at`, of `large_bytes`."""
+
+    def __init__(self, at: int, large_bytes: int, small_bytes: int, length: int) -> None:
+        self.at, self.large, self.small, self.length = at, large_bytes, small_bytes, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        return np.zeros((self.large if idx == self.at else self.small) // 4, np.float32)
+
+
+def first_sample(samples: list[Any]) -> Any:
+    """A batchify function: the batch is its first sample."""
+    return samples[0]

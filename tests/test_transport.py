@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import mmap
 import os
 from typing import Any
 
@@ -14,7 +15,7 @@ from gloader import DataLoader, batchify
 from gloader._transport import SlotMaps, SlotPool, SlotSpace, pack_batch
 from gloader.batchify import plan_batch
 from tests import _data
-from tests.conftest import dev_shm_names, segment_sizes
+from tests.conftest import dev_shm_names, segment_sizes, wait_until
 from tests.test_loader import assert_same_batch
 
 pytestmark = pytest.mark.timeout(60)
@@ -340,3 +341,59 @@ def test_a_worker_writes_a_slot_it_maps_for_the_first_time_without_a_fault_per_p
     assert faults < pages // 8, f"{faults} page faults writing {pages} pages"
     other_worker.close()
     pool.give_back(slot, None)
+
+
+def _allocated(pid: int, only: set[str] | None = None, skip: set[str] | None = None) -> dict[str, int]:
+    """gloader's segments mapped by `pid`: inode -> bytes of memory the segment holds now."""
+    found: dict[str, int] = {}
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            if "/memfd:gloader" not in line:
+                continue
+            fields = line.split()
+            inode = fields[4]
+            if inode in found or (only is not None and inode not in only) or (skip and inode in skip):
+                continue
+            try:
+                found[inode] = os.stat(f"/proc/{pid}/map_files/{fields[0]}").st_blocks * 512
+            except FileNotFoundError:  # unmapped meanwhile
+                pass
+    return found
+
+
+@pytest.mark.parametrize("keep_every", [32, 7, 2])
+def test_held_batches_keep_about_their_own_memory_whatever_the_pattern(keep_every: int) -> None:
+    """Small batches share a slot, several to a task: one held batch kept its whole slot
+    (keeping one in 32 of 32 KiB batches pinned 36x their bytes)."""
+    batches = 9600 // (32 // keep_every) if keep_every < 32 else 9600  # ~300 kept either way
+    with DataLoader(np.zeros((batches * 8, 1024), np.float32), batch_size=8, num_workers=2) as loader:
+        kept = [batch for index, batch in enumerate(loader) if index % keep_every == 0]
+        gc.collect()
+        held = sum(batch.numel() * 4 for batch in kept)
+        pinned = sum(_allocated(os.getpid()).values())  # the loader's window and spares included
+        assert pinned <= 2 * held, (pinned, held)
+
+
+def test_one_large_batch_does_not_size_the_slots_that_follow_it() -> None:
+    """After one 16 MiB batch among 4 KiB ones, slots grew to hold 32 of it and stayed: 3,456
+    MiB reserved until close()."""
+    with DataLoader(_data.OneLarge(at=3, large_bytes=16 << 20, small_bytes=4096, length=200), batch_size=1,
+                    num_workers=2, batchify_fn=_data.first_sample) as loader:
+        for index, _ in enumerate(loader):
+            if index == 150:
+                assert loader._engine.slots.in_use_bytes() < 4 << 20  # a few small slots
+
+
+def test_an_idle_loader_gives_back_the_memory_of_dropped_batches_within_a_second() -> None:
+    with DataLoader(np.zeros((64 * 8, 1024 * 64), np.float32), batch_size=8, num_workers=2) as loader:  # 2 MiB
+        batches = list(loader)
+        del batches
+        gc.collect()
+        callers = set(_allocated(os.getpid()))  # the window's slots and the spares: still the loader's
+
+        def workers_keep_beyond_headers() -> int:  # a retired slot keeps its header's page
+            kept = [bytes_ for pid in loader.worker_pids() for bytes_ in _allocated(pid, skip=callers).values()]
+            return sum(kept) - len(kept) * mmap.PAGESIZE
+
+        # 2.3 MiB a slot, 58 retired: 140 MiB stayed until the next epoch's tasks reached the workers
+        assert wait_until(lambda: workers_keep_beyond_headers() <= 0, 1.0), workers_keep_beyond_headers()
