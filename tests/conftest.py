@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 import pytest
@@ -146,3 +146,17 @@ def no_leaks(_warm_shared_heap: None) -> Iterator[None]:
     gc.collect()
     extra = leaks(before)
     assert not extra, f"test leaked: {extra}"
+
+
+def take_all(iterator: Any, error: type[BaseException]) -> tuple[list[Any], list[BaseException]]:
+    """Every batch an iterator yields until its end, going on past batches that raise `error`:
+    (the batches, the errors), each in order."""
+    got: list[Any] = []
+    errors: list[BaseException] = []
+    while True:
+        try:
+            got.append(next(iterator))
+        except StopIteration:
+            return got, errors
+        except error as exc:
+            errors.append(exc)

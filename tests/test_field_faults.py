@@ -16,7 +16,7 @@ import torch
 import gloader
 from gloader import DataLoader, WorkerPool
 from tests import _data
-from tests.conftest import dev_shm_names, segment_sizes, wait_until
+from tests.conftest import dev_shm_names, segment_sizes, take_all, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -383,15 +383,7 @@ def test_a_batch_whose_answer_cannot_be_rebuilt_in_the_caller_fails_alone() -> N
     """Small batches travel several to a task; the one the caller cannot unpickle raises, named,
     at its turn, and the other batches of its task still come (they were lost silently)."""
     with DataLoader(_data.OneWorkerOnly(21), batch_size=4, num_workers=2, batchify_fn=list) as loader:
-        it = iter(loader)
-        got, failures = [], []
-        while True:
-            try:
-                got.append(next(it))
-            except StopIteration:
-                break
-            except _data.CustomLookupError as exc:
-                failures.append(exc)
+        got, failures = take_all(iter(loader), _data.CustomLookupError)
         assert len(failures) == 1 and "batch 5 of epoch 0 (sample indices [20, 21, 22, 23])" in "".join(
             failures[0].__notes__)
         assert [x for batch in got for x in batch] == [i for i in range(64) if not 20 <= i < 24]

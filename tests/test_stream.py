@@ -8,6 +8,7 @@ import torch
 
 from gloader import DataLoader
 from tests import _data
+from tests.conftest import take_all
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,19 +40,8 @@ def test_discard_drops_each_shards_short_tail(mode: dict) -> None:
 @pytest.mark.parametrize("mode", [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
 def test_error_in_a_stream_surfaces_like_map_style_and_the_rest_continues(mode: dict) -> None:
     with DataLoader(_data.RangeStream(40, bad=9), batch_size=2, **mode) as loader:
-        got, errors = [], 0
-        it = iter(loader)
-        while True:
-            try:
-                got.append(next(it))
-            except StopIteration:
-                break
-            except _data.CustomLookupError as exc:
-                errors += 1
-                assert "record 9 is corrupt" in str(exc)
-                if mode["num_workers"] == 0:
-                    break  # in-process there is one stream, and it is finished
-        assert errors == 1
+        got, errors = take_all(iter(loader), _data.CustomLookupError)  # in-process, the one stream ends with its error
+        assert len(errors) == 1 and "record 9 is corrupt" in str(errors[0])
         values = set(torch.cat(got).flatten().tolist())
         assert 9 not in values
         if mode["num_workers"]:
