@@ -21,7 +21,8 @@ import torch
 
 from ._tree import map_structure, map_tensors
 
-__all__ = ["DEVICE_STAGE_HOLDS", "PIN_THREAD_HOLDS", "DevicePipeline", "PinThread", "pin_batch", "register_for_device", "warn_if_cannot_pin"]
+__all__ = ["DEVICE_STAGE_HOLDS", "PIN_THREAD_HOLDS", "DevicePipeline", "PinThread", "pin_batch", "register_for_device",
+           "warn_if_cannot_pin"]
 
 # Pinned batches the pin thread keeps ready ahead of the caller. Larger: smooths bursts of
 # slow batches; smaller: less pinned (page-locked) memory held.

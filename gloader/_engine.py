@@ -91,13 +91,13 @@ _HELD_WITH_DESCRIPTOR = 4
 
 # Small batches travel several to a task, so that the fixed cost of a task's round trip
 # (~0.1-0.2 ms of the caller's CPU) is shared: as many consecutive batches of one epoch as the
-# workers load in about _TASK_TARGET_S, at most _MAX_BATCHES_PER_TASK and _TASK_BYTES, with
+# workers load in about _TASK_TARGET_S, at most _MAX_BATCHES_PER_TASK and TASK_BYTES (what the
+# slots are sized for), with
 # keys a worker can read whole (_mppool.ATOMIC_TASK_BYTES); an epoch's first task carries one
 # batch. Longer target: less overhead per batch; shorter: less in flight. The measurements
 # behind these numbers: docs/design.md, "Several small batches to a task".
 _TASK_TARGET_S = 0.02
 _MAX_BATCHES_PER_TASK = 32
-_TASK_BYTES = TASK_BYTES  # the slots are sized for it
 # The sample keys a task message may carry (room left for the rest of the message), and
 # what a key that is not part of an int64 array is taken to need.
 _TASK_KEY_BYTES = ATOMIC_TASK_BYTES - 2048
@@ -354,7 +354,7 @@ class Engine:
         """The most batches a task may carry, by their size alone."""
         if self._batch_bytes <= 0.0:
             return _MAX_BATCHES_PER_TASK
-        return max(1, min(_MAX_BATCHES_PER_TASK, int(_TASK_BYTES / self._batch_bytes)))
+        return max(1, min(_MAX_BATCHES_PER_TASK, int(TASK_BYTES / self._batch_bytes)))
 
     def fill(self, next_job: Callable[[], Job | None]) -> None:
         """Dispatch jobs from `next_job` until the window is full or it has none."""

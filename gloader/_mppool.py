@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "forget_task", "make_pool_class", "on_result_sent", "on_task_taken",
-           "on_task_wanted"]
+__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "disk_full", "forget_task", "make_pool_class", "on_result_sent",
+           "on_task_taken", "on_task_wanted"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
@@ -186,14 +186,17 @@ def _load_spilled(path: str) -> Any:
     return _ForkingPickler.loads(data)
 
 
+def disk_full(path: str, what: str, exc: OSError) -> OSError:
+    """The error for a file of a pool's that the disk had no room for (`what`: "a 4.0 MiB
+    result"): the path and the fix, as an OSError of the same errno."""
+    return OSError(exc.errno, f"could not write {what} to {path}: {os.strerror(exc.errno or 0)}; free space in "
+                              "the temp directory or point TMPDIR at a larger one", path)
+
+
 def _failed_result(obj: Any, exc: OSError, size: int, directory: str) -> Any:
     """The pool's result message `(job, i, (success, value))` for a result that could not be
-    written to a file: the task fails with an OSError naming the directory, the size and the fix."""
-    job, index = obj[0], obj[1]
-    error = OSError(exc.errno, f"a worker could not write a {size / 2**20:.1f} MiB result to {directory}: "
-                               f"{os.strerror(exc.errno or 0)}; free space in the temp directory or point TMPDIR at "
-                               "a larger one", directory)
-    return (job, index, (False, error))
+    written to a file: the task fails, named (see disk_full)."""
+    return (obj[0], obj[1], (False, disk_full(directory, f"a {size / 2**20:.1f} MiB result", exc)))
 
 
 def _spill(data: bytes, directory: str) -> bytes:

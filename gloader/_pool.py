@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator
 
 from ._admission import usable_cpus
 from ._checks import check_flag, check_positive_int, check_start_method
-from ._mppool import ProcessLock, forget_task, make_pool_class
-from ._pooldir import PoolDirectory, disk_full
+from ._mppool import ProcessLock, disk_full, forget_task, make_pool_class
+from ._pooldir import PoolDirectory
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._worker import PoolSpec, StatusTable, initialize_process_worker, initialize_thread_worker, run_task
@@ -266,7 +266,8 @@ class PoolCore:
             with contextlib.suppress(OSError):
                 os.unlink(path + ".tmp")
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a bare "[Errno 28]" named no file
-                raise disk_full(path + ".tmp", len(payload.parts) if payload.pickled else 0, exc) from exc
+                size = f"{len(payload.parts) / 2**20:.1f} MiB" if payload.pickled else "a loader's payload"
+                raise disk_full(path + ".tmp", size, exc) from exc
             raise
         os.replace(path + ".tmp", path)  # atomic: a worker never reads half a file
 

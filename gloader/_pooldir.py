@@ -27,7 +27,7 @@ import stat
 import tempfile
 import time
 
-__all__ = ["PoolDirectory", "disk_full", "user_base"]
+__all__ = ["PoolDirectory", "user_base"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +37,6 @@ _ALIVE = "alive"
 # one of an older gloader. Older: such directories wait longer to be removed; younger: the
 # margin over a directory's first microseconds shrinks (any value well over a second works).
 _UNMARKED_GRACE_S = 3600.0
-
-
-def disk_full(path: str, size: int, exc: OSError) -> OSError:
-    """The error for a file of a pool's that the disk had no room for: the path, the size and
-    the fix, as an OSError of the same errno."""
-    what = f"{size / 2**20:.1f} MiB" if size else "a file"
-    return OSError(exc.errno, f"could not write {what} to {path}: {os.strerror(exc.errno or 0)}; free space in "
-                              "the temp directory or point TMPDIR at a larger one", path)
 
 
 def user_base() -> str:

@@ -3,7 +3,7 @@
 `Schedule` owns the batch sampler, the epoch counter, the resume skip and the lookahead (an
 epoch opened early so its first batches can be dispatched before the caller asks). An
 `Epoch` hands out its batches one by one and knows, as soon as its last batch is taken,
-that it is exhausted and what the sampler's state is after it; so `state_dict` only reads.
+that it is exhausted; `state_dict` only reads (between epochs, the sampler's own state).
 Runs in the caller's process; the flow is drawn in `_engine`.
 """
 from __future__ import annotations
@@ -39,21 +39,18 @@ class Epoch:
     Args:
         length: batches in the whole epoch, or None when unknown (a stream).
         start_state: the batch sampler's state before the epoch (None for streams).
-        end_state_of: returns the batch sampler's state; called once the epoch is exhausted.
     """
 
     def __init__(self, number: int, length: int | None, start_state: Any, batches: Iterator[tuple[int, Any]],
-                 skipped: int, end_state_of: Any) -> None:
+                 skipped: int) -> None:
         self.number = number
         self.length = length
         self.start_state = start_state
         self.skipped = skipped
         self.samples: int | None = None  # len(index sampler) when an epoch opened ahead was drawn
         self.drawn_inner: Any = None  # the index sampler's state just after drawing it (opened ahead)
-        self.end_state: Any = None
         self.exhausted = False
         self._batches = batches
-        self._end_state_of = end_state_of
         self._failed: Exception | None = None  # raised by the sampler while reading ahead: given at its turn
         self._next = self._advance()
 
@@ -65,9 +62,7 @@ class Epoch:
 
     def mark_exhausted(self) -> None:
         """No batch is left to hand out (for a stream: every worker's shard has ended)."""
-        if not self.exhausted:
-            self.exhausted = True
-            self.end_state = self._end_state_of()
+        self.exhausted = True
 
     def take(self) -> tuple[int, Any] | None:
         """The next (index, work), or None when the epoch is exhausted."""
@@ -117,10 +112,15 @@ class Schedule:
     @property
     def base_seed(self) -> int:
         """The loader's base seed (drawn now if none was given or offered yet)."""
-        if self._base_seed is None:
-            self.adopt_seed(self._draw_seed())
+        self._ensure_seed()
         assert self._base_seed is not None
         return self._base_seed
+
+    def _ensure_seed(self) -> None:
+        """Draw the base seed if none was given or offered yet: the loader's own RandomSampler
+        takes it as its seed, which it needs before it draws an epoch."""
+        if self._base_seed is None:
+            self.adopt_seed(self._draw_seed())
 
     def adopt_seed(self, seed: int) -> None:
         """Take `seed` as the base seed, unless one is set already; the loader's own
@@ -137,10 +137,10 @@ class Schedule:
         number, self._next_number = self._next_number, self._next_number + 1
         if self._stream is not None:
             request = self._stream
-            return Epoch(number, None, None, ((i, request) for i in itertools.count()), 0, lambda: None)
+            return Epoch(number, None, None, ((i, request) for i in itertools.count()), 0)
         skip, self._resume_skip = self._resume_skip, 0
         length = len(self._sampler) if hasattr(self._sampler, "__len__") else None
-        self.base_seed  # noqa: B018 - the loader's RandomSampler needs its seed before it draws an epoch
+        self._ensure_seed()
         prepare = getattr(getattr(self._sampler, "sampler", None), "_prepare_epoch", None)
         if prepare is not None:  # a seedless RandomSampler draws the epoch's seed before the state is taken
             prepare()
@@ -148,7 +148,7 @@ class Schedule:
         batches = enumerate(_encoded_batches(self._sampler))
         for _ in range(skip):
             next(batches, None)
-        epoch = Epoch(number, length, start_state, batches, skip, self._sampler_state)
+        epoch = Epoch(number, length, start_state, batches, skip)
         if self._lookahead:
             epoch.samples = self._samples()
             epoch.drawn_inner = self._inner_state()

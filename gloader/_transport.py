@@ -32,6 +32,7 @@ first worker that maps it (see _MADV_POPULATE_READ). The whole flow is drawn in
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import errno
@@ -458,9 +459,9 @@ class SlotPool:
         self._slots: dict[int, _Lendable] = {}  # token -> slot, lent, held or free
         self._free: list[_Lendable] = []
         self._descriptors = 0
-        self._size_hint = 0  # bytes of the largest of the latest batches: what a lent slot must hold
+        # The latest batch sizes, in arrival order and sorted: what lent slots must hold.
         self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_SIZES)
-        self._typical_size: int | None = None  # see _typical; None: to be computed again
+        self._sizes: list[int] = []
         self._most_batches = 1  # the most batches lent with one slot so far
         # Pages of page-locked slots (register) are never given back: a device copy reads them.
         self._punchable = register is None
@@ -481,14 +482,14 @@ class SlotPool:
         with self._lock:
             if self._closed:
                 return None
-            if not self._size_hint:
+            if not self._sizes:
                 return self._lend_probe(batches)
             # What the task's batches need: each as large as most recent ones (7 in 8); a task of
             # one batch, room for the largest recent one too. An odd larger batch among many small
             # ones travels in its handle rather than size every slot of the window.
             needed = batches * self._typical()
             if batches == 1:
-                needed = max(needed, round_up(self._size_hint, _ALIGN_BYTES))
+                needed = max(needed, round_up(self._sizes[-1], _ALIGN_BYTES))
             self._most_batches = max(self._most_batches, batches, most)
             room = max(needed, self._room())
             for unfit in [free for free in self._free if free.capacity > _OVERSIZED * room]:
@@ -516,10 +517,7 @@ class SlotPool:
     def _typical(self) -> int:
         """A batch size that most recent batches do not exceed (7 in 8 of them; call holding
         the lock), aligned as batches are placed."""
-        if self._typical_size is None:
-            recent = sorted(self._recent) or [self._size_hint]
-            self._typical_size = round_up(recent[len(recent) * 7 // 8], _ALIGN_BYTES)
-        return self._typical_size
+        return round_up(self._sizes[len(self._sizes) * 7 // 8], _ALIGN_BYTES) if self._sizes else 0
 
     def _lend_probe(self, batches: int) -> Slot | None:
         """A slot for the first window, before any batch's size is known (call holding the
@@ -581,9 +579,10 @@ class SlotPool:
         if handle is not None:
             self._note_size(handle[2])
         if slot is not None:
-            written = handle is not None and handle[0] == slot[2]  # its bytes are in the slot
-            start = _HEADER_BYTES + handle[1] if written and handle is not None else 0
-            end = start + handle[2] if written and handle is not None else 0
+            start = end = 0
+            if handle is not None and handle[0] == slot[2]:  # its bytes are in the slot
+                start = _HEADER_BYTES + handle[1]
+                end = start + handle[2]
             with self._lock:
                 lent = self._slots.get(slot[2])
                 if lent is not None:
@@ -663,11 +662,7 @@ class SlotPool:
 
     def _note_size(self, total: int) -> None:
         with self._lock:
-            recent = self._recent
-            leaving = recent[0] if len(recent) == recent.maxlen else -1
-            recent.append(total)
-            self._typical_size = None
-            if total >= self._size_hint:
-                self._size_hint = total
-            elif leaving == self._size_hint:  # the largest of the latest sizes went out of the window
-                self._size_hint = max(recent)
+            if len(self._recent) == self._recent.maxlen:
+                del self._sizes[bisect.bisect_left(self._sizes, self._recent[0])]
+            self._recent.append(total)
+            bisect.insort(self._sizes, total)

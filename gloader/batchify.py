@@ -171,7 +171,7 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf | Opaqu
         if len(shapes) != 1:
             raise _shape_error([tuple(s) for s in shapes])
         if any(map(_REQUIRES_GRAD, tensors)):  # stacked as torch does, the graph kept (in-process only)
-            return Opaque(torch.stack([t if t.dtype == (dtype or t.dtype) else t.to(dtype) for t in tensors]))
+            return Opaque(torch.stack([t if dtype is None else t.to(dtype) for t in tensors]))
         dtypes = set(map(_DTYPE, tensors))
         out_dtype = dtype or (tensors[0].dtype if len(dtypes) == 1 else _promoted(dtypes))  # torch.stack's rule
         same_dtype = dtypes == {out_dtype}

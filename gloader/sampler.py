@@ -12,11 +12,11 @@ import itertools
 from typing import Any, Callable, Iterator
 
 import numpy as np
-import torch
 import torch.utils.data as torch_data
 
 from ._checks import check_flag, check_last_batch, check_positive_int
 from ._math import ceil_div
+from ._seed import draw_base_seed
 
 __all__ = ["BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler", "RandomSampler",
            "Sampler", "SequentialSampler"]
@@ -144,7 +144,7 @@ class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
         """Draw the coming epoch's seed now (seedless), so that a state taken before the
         epoch's indices already holds it."""
         if self._seed is None and self._epoch_seed is None:
-            self._epoch_seed = int(torch.empty((), dtype=torch.int64).random_().item()) & ((1 << 63) - 1)
+            self._epoch_seed = draw_base_seed()  # from torch's default generator, as torch's sampler draws
 
     def _indices(self) -> np.ndarray:
         """One epoch's indices as an int64 array; advances to the next epoch as iterating does."""
