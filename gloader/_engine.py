@@ -13,11 +13,15 @@ The whole flow, with who runs each step::
                                                the slot after the one before (shm)  (_fetch)
                                                (large samples, default batchify: each
                                                written into the slot as it comes) (_rows)
-                                          <-  [Loaded(handle) | ShardEnd | WorkerFailure, ...]
+                                               per batch: its answer, Loaded(handle) |
+                                               ShardEnd | WorkerFailure, published in
+                                               the slot as soon as it is written
+                                          <-  the task's end (answers that did not fit)
     ... up to `prefetch` tasks in flight, across the end of an epoch into the next ...
-    Engine.collect: wait for the oldest task (in short slices: worker exit codes, the
-        timeout; with in_order=False a task that finished first goes first), then hand out
-        its batches one by one:
+    Engine.collect: wait for the oldest batch's answer, read from the slot or the task's
+        messages (in short slices: worker exit codes, the batch's own timeout; a task that
+        runs long tells a waiting caller by message; with in_order=False a batch that
+        came first goes first), then hand it out:
         SlotPool.rebuild(slot, handle) -> tensors viewing the slot (zero copy)  (_transport)
         WorkerFailure.reraise() -> the worker's exception, as its own type   (_protocol)
     EpochIterator: [pin, in its pin thread] -> [to(device) on a side stream] (_device); with a
@@ -234,22 +238,29 @@ def _start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], 
 
 class _Task:
     """Consecutive batches of one epoch dispatched as one task: their jobs, the slot lent to
-    them, the task's result and, once it has arrived, the answers not yet collected."""
+    them, the task's result, and its batches' answers as they arrive: a process worker
+    publishes each in the slot as soon as its batch is written (see `_transport`), and sends
+    what did not fit there by message."""
 
-    __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "taken", "waited_since")
+    __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "arrivals", "parts", "done", "taken",
+                 "waited")
 
     def __init__(self, jobs: list[Job], slot: Slot | None) -> None:
         self.jobs = jobs
         self.slot = slot
         self.result: Any = None
         self.submitted = time.monotonic()
-        # When the result arrived, set by the pool's result thread through `mark_arrived`.
+        # When the final result arrived, set by the pool's result thread through `mark_arrived`.
         # A list, not an attribute: the pool keeps the callback, and a callback bound to the
         # task would tie the task, its result and the pool into a cycle (pipes open until gc).
         self.arrived = [0.0]
-        self.answers: list[Any] | None = None  # decoded once the caller has waited for them
-        self.taken = 0  # batches already collected
-        self.waited_since: float | None = None  # when the caller began waiting for it (its deadline runs from there)
+        self.answers: dict[int, Any] = {}  # position in the task -> answer, received and not collected
+        self.arrivals: dict[int, float] = {}  # position -> when it arrived (0.0: not known, in-process)
+        self.parts = 0  # parts of the result (`result.chunks`) taken in
+        self.done = False  # the whole result is in
+        self.taken = 0  # batches collected (of a discarded task: collected or given back)
+        # (batch position, since when) the caller waits for: its deadline runs from there
+        self.waited: tuple[int, float] | None = None
 
     @property
     def epoch(self) -> int:
@@ -260,6 +271,11 @@ class _Task:
         return self.jobs[self.taken]
 
     @property
+    def has_next(self) -> bool:
+        """The answer of the next batch to collect is in (see `receive`)."""
+        return self.taken in self.answers
+
+    @property
     def mark_arrived(self) -> Callable[[Any], None]:
         arrived = self.arrived
 
@@ -267,6 +283,55 @@ class _Task:
             arrived[0] = time.monotonic()
 
         return mark
+
+    def receive(self, slots: SlotPool | None) -> None:
+        """Take in the answers that arrived since the last look: published in the slot, sent
+        before the end, or in the final result; raises what the task raised (in-process
+        loading loads its batches here)."""
+        if self.done:
+            return
+        result = self.result
+        ready = result.ready()  # looked at first: once it is, every answer is in the slot or a message
+        if slots is not None and self.slot is not None:
+            now = time.monotonic()
+            for position, answer in slots.answers(self.slot):
+                self._add(position, answer, now)
+        chunks = getattr(result, "chunks", None)
+        while chunks is not None and self.parts < len(chunks):
+            when, data = chunks[self.parts]
+            self.parts += 1
+            for position, answer in decode_answers(data):
+                self._add(position, answer, when)
+        if ready:
+            value = result.get(0)
+            self.done = True
+            # process workers: (position, answer) of those not published; threads, in-process: all
+            for position, answer in decode_answers(value) if isinstance(value, bytes) else enumerate(value):
+                self._add(position, answer, self.arrived[0])
+
+    def _add(self, position: int, answer: Any, when: float) -> None:
+        self.answers[position] = answer
+        self.arrivals[position] = when
+
+    def wait(self, slots: SlotPool | None, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the next batch's answer; True once it is in."""
+        self.receive(slots)
+        if self.has_next:
+            return True
+        progress = getattr(self.result, "progress", None)
+        if progress is None:
+            self.result.wait(timeout_s)
+        else:
+            progress.clear()  # then one more look: what came meanwhile set it before the clear
+            self.receive(slots)
+            if self.has_next:
+                return True
+            progress.wait(timeout_s)
+        self.receive(slots)
+        if self.done and not self.has_next:
+            raise RuntimeError(f"internal error: the task of batches {self.jobs[0].number}-{self.jobs[-1].number} "
+                               f"ended without an answer for batch {self.next_job.number}")
+        return self.has_next
 
 
 class Engine:
@@ -346,8 +411,7 @@ class Engine:
         """How many batches the next task carries (see _TASK_TARGET_S)."""
         if self._backend is None or self._backend.slots is None or self._batch_cost_s <= 0.0:
             return 1  # in-process and thread workers: nothing to share (and no batch size known)
-        # A task must stay well inside the timeout, which the caller applies per task.
-        count = int(min(_TASK_TARGET_S, self._config.timeout_s / 4) / self._batch_cost_s)
+        count = int(_TASK_TARGET_S / self._batch_cost_s)
         return max(1, min(count, self._most_per_task()))
 
     def _most_per_task(self) -> int:
@@ -400,16 +464,18 @@ class Engine:
             return None
         self._reap_discarded()
         task = self._tasks[0]
-        if task.answers is None:
+        if not self._has_next(task):
             if self._config.in_order or len(self._tasks) == 1:
                 self._await(task)
-            else:  # a finished task of the epoch goes first, while the oldest is still out
+            else:  # a batch of the epoch that came first goes first, while the oldest is still out
                 task = self._finished_task(epoch) or task
-                if task.answers is None and not self._await(task, lambda: self._finished_task(epoch) is not None):
-                    task = self._finished_task(epoch) or task  # one finished while waiting
-                    if task.answers is None:
+                if not self._has_next(task) and not self._await(task, lambda: self._finished_task(epoch) is not None):
+                    task = self._finished_task(epoch) or task  # one came while waiting
+                    if not self._has_next(task):
                         self._await(task)
-        assert task.answers is not None
+        if task.taken == 0:  # once a task, waited for or not: a worker that died while idle is reported too
+            with self._failing(task):
+                self._check_workers(task)
         if task is not self._tasks[0]:
             self.reordered_epoch = epoch
         position = task.taken
@@ -417,8 +483,8 @@ class Engine:
         if task.taken == len(task.jobs):
             self._tasks.remove(task)
         ready = time.monotonic()
-        item = task.answers[position]
-        task.answers[position] = None  # the batch is the caller's now
+        item = task.answers.pop(position)  # the batch is the caller's now
+        arrival = task.arrivals.pop(position)
         slot = task.slot
         slots = self._backend.slots if self._backend is not None else None
         try:
@@ -440,34 +506,41 @@ class Engine:
         if slots is not None:
             self._estimate(message, batch[2])  # the handle's bytes used
             batch = slots.rebuild(slot, batch)
-        arrived = task.arrived[0] or message.finished  # in-process loading: no trip back
+        arrived = arrival or message.finished  # in-process loading: no trip back
         timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,
                    "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
                    "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - ready}
         return Collected(batch, timings, message.worker_id, message.samples)
 
     def _finished_task(self, epoch: int) -> _Task | None:
-        """The first task of `epoch` in the window whose answers are in (in_order=False)."""
+        """The first task of `epoch` in the window with an answer in (in_order=False)."""
         for task in self._tasks:
             if task.epoch != epoch:
                 return None
-            if task.answers is not None or task.result.ready():
-                if task.answers is None:
-                    self._await(task)
+            if self._has_next(task):
                 return task
         return None
 
+    def _has_next(self, task: _Task) -> bool:
+        """Whether the answer of `task`'s next batch is in, without waiting."""
+        if not task.has_next:
+            with self._failing(task):
+                task.receive(self.slots)
+        return task.has_next
+
     def _await(self, task: _Task, give_up: Callable[[], bool] | None = None) -> bool:
-        """Wait for `task`'s answers and decode them; on a failure the task leaves the window.
-        False, with nothing decoded, when `give_up()` turned true first (checked between waits)."""
-        try:
-            # Every wait reads the exit codes (~2 us), so a worker that died while idle, whose
-            # task the pool gave to its replacement, is reported too, at the caller's next wait.
+        """Wait for the answer of `task`'s next batch; on a failure the task leaves the window.
+        False when `give_up()` turned true first (checked between waits)."""
+        with self._failing(task):
             self._check_workers(task)
-            if not self._wait(task, give_up):
-                return False
-            task.answers = decode_answers(task.result.get(0))  # in-process loading loads the batch here
-            return True
+            return self._wait(task, give_up)
+
+    @contextlib.contextmanager
+    def _failing(self, task: _Task) -> Iterator[None]:
+        """A failure while receiving `task`'s answers takes the task out of the window; a dead
+        worker or a timeout stops the workers too."""
+        try:
+            yield
         except (WorkerExitedError, BatchTimeoutError) as exc:
             self._tasks.remove(task)
             self._discarded.append(task)
@@ -477,7 +550,7 @@ class Engine:
                 backend.core.kill_worker_loading(self._loader_id, task.epoch, [job.number for job in task.jobs])
             self.stop_workers(prompt=True)
             raise
-        except BaseException:  # Ctrl-C: the task is not ours any more
+        except BaseException:  # Ctrl-C, or a result that could not be received: the task is not ours any more
             self._tasks.remove(task)
             self._discarded.append(task)
             raise
@@ -490,25 +563,23 @@ class Engine:
         self._batch_bytes += (size - self._batch_bytes) * (_ESTIMATE_WEIGHT if self._batch_bytes else 1.0)
 
     def _wait(self, task: _Task, give_up: Callable[[], bool] | None = None) -> bool:
-        """Wait until `task`'s result is ready (True) or `give_up()` is true (False)."""
-        if task.waited_since is None:
-            task.waited_since = time.monotonic()
-        deadline = task.waited_since + self._config.timeout_s
-        result = task.result
-        while not result.ready():
-            result.wait(_POLL_S)
-            if result.ready():
-                return True
+        """Wait until the answer of `task`'s next batch is in (True) or `give_up()` is true
+        (False). The timeout is the batch's: it runs from when the caller began waiting for it."""
+        position = task.taken
+        if task.waited is None or task.waited[0] != position:
+            task.waited = (position, time.monotonic())
+            if self._backend is not None and self._backend.slots is not None:
+                self._backend.slots.want(task.slot, position + 1)  # its worker sends it as soon as it is written
+        deadline = task.waited[1] + self._config.timeout_s
+        while not task.wait(self.slots, _POLL_S):
             self._check_workers(task)
             if give_up is not None and give_up():
                 return False
             if time.monotonic() > deadline:
-                elapsed = time.monotonic() - task.waited_since
+                elapsed = time.monotonic() - task.waited[1]
                 job = task.next_job
-                what = f"batch {job.number}" if len(task.jobs) == 1 else \
-                    f"batches {job.number}-{task.jobs[-1].number}, loaded as one task,"
-                raise BatchTimeoutError(f"{what} of epoch {job.epoch}{_describe_keys(job)} took more than "
-                                        f"{elapsed:.1f} s, the loader's timeout={self._config.timeout_s:g}; "
+                raise BatchTimeoutError(f"batch {job.number} of epoch {job.epoch}{_describe_keys(job)} took more "
+                                        f"than {elapsed:.1f} s, the loader's timeout={self._config.timeout_s:g}; "
                                         "raise timeout= if batches are legitimately slow, or look for a "
                                         "hang in the dataset")
         return True
@@ -543,20 +614,22 @@ class Engine:
             return
         keep = []
         for task in self._discarded:
-            if task.answers is None:
-                if not task.result.ready():
-                    keep.append(task)
-                    continue
+            try:
+                task.receive(slots)
+            except Exception:  # what did not arrive never will
+                task.done = True
+            for position in list(task.answers):
                 try:
-                    task.answers = decode_answers(task.result.get(0))
-                except Exception:
-                    task.answers = [None] * len(task.jobs)
-            for position in range(task.taken, len(task.jobs)):
-                try:
-                    message = decode_answer(task.answers[position])
+                    message = decode_answer(task.answers.pop(position))
                 except Exception:
                     message = None
                 slots.give_back(task.slot, message.batch if isinstance(message, Loaded) else None)
+                task.taken += 1
+            if task.done:  # answers that never came (the slot was retired first): their share
+                for _ in range(task.taken, len(task.jobs)):
+                    slots.give_back(task.slot, None)
+            else:
+                keep.append(task)
         self._discarded = keep
 
     def worker_pids(self) -> list[int]:

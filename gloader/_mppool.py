@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 __all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "disk_full", "forget_task", "make_pool_class", "on_result_sent",
-           "on_task_taken", "on_task_wanted"]
+           "on_task_taken", "on_task_wanted", "send_partial"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
@@ -52,6 +52,12 @@ _DEFAULT_PIPE_BYTES = 16 * 1024
 _task_wanted: Callable[[], None] | None = None
 _task_taken: Callable[[Any], None] | None = None
 _result_sent: Callable[[], None] | None = None
+# In a worker: the pool's result queue and the job id of the task it runs (see send_partial).
+_results: Any = None
+_job: int | None = None
+# The index a partial result travels with in the pool's `(job, index, (success, value))`
+# result message; a task's final result has index 0.
+_PARTIAL = 1
 
 
 def on_task_wanted(callback: Callable[[], None] | None) -> None:
@@ -73,6 +79,26 @@ def on_result_sent(callback: Callable[[], None] | None) -> None:
     task is the worker's, and a worker that dies before has lost it."""
     global _result_sent
     _result_sent = callback
+
+
+def send_partial(data: bytes | None) -> bool:
+    """From a worker's task: send `data` to the caller now, as part of the task's result,
+    which goes on (the caller's `TaskResult.chunks`, in order, before its final value), or
+    with None only wake the caller up. False where there is no process pool's task to send it
+    for (thread workers)."""
+    if _results is None or _job is None:
+        return False
+    _results.put((_job, _PARTIAL, (True, data)), finished=False)
+    return True
+
+
+def _pool_worker(inqueue: Any, outqueue: Any, *rest: Any) -> None:
+    """The pool's worker loop, with the result queue known to `send_partial`."""
+    global _results
+    from multiprocess import pool as mp_pool
+
+    _results = outqueue
+    mp_pool.worker(inqueue, outqueue, *rest)
 
 
 def _available(fd: int) -> int:
@@ -366,9 +392,14 @@ def _make_queue_class() -> Any:
                             claim(memoryview(data))
                     else:
                         data = self._reader.recv_bytes()
-                return taken[0] if taken else _ForkingPickler.loads(data)
+                task = taken[0] if taken else _ForkingPickler.loads(data)
+                global _job
+                _job = task[0] if type(task) is tuple and len(task) == 5 else None  # (job, i, func, args, kwargs)
+                return task
 
-            def put(self, obj: Any) -> None:
+            def put(self, obj: Any, finished: bool = True) -> None:
+                """Send a result; `finished`: the task's final one (a partial one, see
+                send_partial, leaves the task the worker's)."""
                 try:  # a result (ids and bytes): the stdlib pickler takes 0.3 us, dill's 10
                     data: Any = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
                 except Exception:
@@ -389,7 +420,7 @@ def _make_queue_class() -> Any:
                     # A worker whose caller is gone (killed): nobody will read this result,
                     # and the pool's worker loop would print a traceback for each one.
                     os._exit(0)
-                if _result_sent is not None and os.getpid() != self._creator:
+                if finished and _result_sent is not None and os.getpid() != self._creator:
                     _result_sent()
 
         _TrackedQueue = TrackedQueue
@@ -422,7 +453,8 @@ def make_pool_class() -> type:
     3. Tasks are pickled with dill (~29 us per task tuple here) though gloader's are plain;
        the stdlib pickler takes ~1 us, and workers' dill reads stdlib pickles. Anything the
        stdlib pickler refuses still goes through dill.
-    gloader supervises its workers itself (`PoolCore.find_dead_worker`).
+    gloader supervises its workers itself (`PoolCore.find_dead_worker`). Its `submit_task`
+    is `apply_async` with a result that may come in parts (see send_partial).
     """
     # Over 40 lines: one class body, built lazily so that importing gloader does not import
     # multiprocess's pool; its three overrides only make sense read together.
@@ -449,6 +481,24 @@ def make_pool_class() -> type:
             self._rlock = threading.Lock()
             self._wlock = threading.Lock()
 
+    class _TaskResult(mp_pool.ApplyResult):  # type: ignore[misc]
+        """An AsyncResult whose task may send parts of its result before the end: `chunks`
+        holds (arrival time, data) of each, in order, and is complete once `ready()`;
+        `progress` is set as each part, notice and the final value arrive (the caller clears it)."""
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.chunks: list[tuple[float, Any]] = []
+            self.progress = threading.Event()
+
+        def _set(self, i: int, obj: Any) -> None:
+            if i == _PARTIAL and obj[0]:
+                if obj[1] is not None:
+                    self.chunks.append((time.monotonic(), obj[1]))
+            else:  # the final value, or a part that failed (a full disk): the task ends with it
+                super()._set(0, obj)
+            self.progress.set()
+
     class _FastPool(mp_pool.Pool):  # type: ignore[misc]
         @property
         def _change_notifier(self) -> Any:
@@ -473,12 +523,22 @@ def make_pool_class() -> type:
         def Process(self, ctx: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - multiprocess's name
             # multiprocess's own is a staticmethod, but it is only ever called as `self.Process`,
             # bound here: the pool starts every worker through it.
+            if kwargs.get("target") is mp_pool.worker:
+                kwargs["target"] = _pool_worker
             process = ctx.Process(*args, **kwargs)
             self.started.append(process)
             return process
 
         def _get_sentinels(self) -> list[Any]:
             return [self._change_notifier._reader]
+
+        def submit_task(self, func: Callable[..., Any], args: tuple[Any, ...],
+                        callback: Callable[[Any], None] | None = None) -> Any:
+            """`apply_async(func, args, callback=callback)` with a `_TaskResult`."""
+            self._check_running()
+            result = _TaskResult(self, callback, None)
+            self._taskqueue.put(([(result._job, 0, func, args, {})], None))
+            return result
 
         def close(self) -> None:
             self._cache.closing = True

@@ -161,9 +161,12 @@ class PoolCore:
                      start_method or "default start method")
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None) -> Any:
-        """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult.
+        """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult (of a process
+        pool, one whose `chunks` receive the parts of the result a task sends before its end).
         `on_ready(result)` runs in the pool's result thread as the result arrives."""
-        return self.pool.apply_async(run_task, args, callback=on_ready)
+        if self.is_thread:
+            return self.pool.apply_async(run_task, args, callback=on_ready)
+        return self.pool.submit_task(run_task, args, on_ready)
 
     @property
     def closed(self) -> bool:

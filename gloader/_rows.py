@@ -145,7 +145,7 @@ def load_rows(load: Callable[[Any], Any], keys: list[Any], space: SlotSpace | No
     layout = _Layout(first, count)
     # Numbers take at most 16 bytes each (complex128); they go after the arrays. A batch that
     # does not fit (larger than any before) is batched the usual way and travels in its handle.
-    if space.offset + layout.array_bytes + len(layout.numbers) * round_up(16 * count, _ALIGN_BYTES) > slot[3]:
+    if layout.array_bytes + len(layout.numbers) * round_up(16 * count, _ALIGN_BYTES) > space.room:
         return None, [first]
     layout.bind(maps.get(slot), _HEADER_BYTES + space.offset)
     layout.write(0, first)

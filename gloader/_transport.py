@@ -26,8 +26,19 @@ then lends bigger slots.
 
 Each segment starts with a 64-byte header the caller writes: a random TOKEN, which the
 worker checks after mapping; RETIRED, set when the caller gives the segment up (surplus,
-too small, or the loader closed), after which workers unmap it; and WRITTEN, set by the
-first worker that maps it (see _MADV_POPULATE_READ). The whole flow is drawn in
+too small, or the loader closed), after which workers unmap it; WRITTEN, set by the
+first worker that maps it (see _MADV_POPULATE_READ); WANTED, how many of the task's batches
+the caller waits to have (0: it is not waiting); and ANSWERS, how many answers the worker
+has published in the slot.
+
+A batch is the caller's as soon as it is written, not when its task ends: the worker writes
+each batch's answer (its handle and timings, encoded) into the slot too, from the slot's end
+down while batches fill it from the start up (`SlotSpace.publish`), and the caller reads the
+answers published so far whenever it looks (`SlotPool.answers`), even while the worker is
+deep in a slow batch after them. Each record ends with a trailer: its length, its batch's
+position in the task, which lending of the slot it belongs to (lent slots carry it) and a
+CRC-32 of all that, so that a record the caller sees before all of it is visible (a weakly
+ordered CPU) or one left from an earlier lending is never taken for an answer. An answer that does not fit goes with the task's result message. The whole flow is drawn in
 `_engine`.
 """
 from __future__ import annotations
@@ -39,8 +50,10 @@ import errno
 import math
 import mmap
 import os
+import struct
 import threading
 import weakref
+import zlib
 from typing import Any, Callable
 
 import numpy as np
@@ -55,7 +68,12 @@ __all__ = ["TASK_BYTES", "SlotMaps", "SlotPool", "SlotSpace", "close_inherited_s
 # cache line that two writers could contend on. The header takes the first 64 bytes.
 _ALIGN_BYTES = 64
 _HEADER_BYTES = 64
-_TOKEN, _RETIRED, _WRITTEN = 0, 1, 2
+_TOKEN, _RETIRED, _WRITTEN, _WANTED, _ANSWERS = 0, 1, 2, 3, 4
+# An answer record's trailer (see the module's docstring): length, position, lending, CRC-32.
+_TRAILER = struct.Struct("<IIII")
+# Room a slot has per batch for its answer beyond the batch's bytes (a handle and timings
+# take ~300 bytes; a larger answer, one carrying strings or an error, goes by message).
+_ANSWER_BYTES = 512
 _Header = ctypes.c_uint64 * (_HEADER_BYTES // 8)
 # A new slot gets this much room beyond the largest batch seen (in eighths), so that slowly
 # growing padded batches fit it instead of needing a new slot each time.
@@ -88,8 +106,9 @@ _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
 _SEGMENT_NAME = "gloader"
 # A mapped segment: a ctypes byte array over the mapping (see _map_fd).
 Segment = Any
-# What the caller lends with a batch: (caller pid, fd, token, capacity).
-Slot = tuple[int, int, int, int]
+# What the caller lends with a task: (caller pid, fd, token, capacity, lending). A slot is
+# lent again and again; its lending tells one task's use of it from the next one's.
+Slot = tuple[int, int, int, int, int]
 
 _LIBC: Any = None
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -198,7 +217,7 @@ class SlotMaps:
         self._maps: collections.OrderedDict[int, tuple[Segment, Any]] = collections.OrderedDict()
 
     def get(self, slot: Slot) -> Segment:
-        pid, fd, token, capacity = slot
+        pid, fd, token, capacity, _ = slot
         found = self._maps.get(token)
         if found is not None:
             self._maps.move_to_end(token)
@@ -277,13 +296,53 @@ class _Placement:
 
 
 class SlotSpace:
-    """A lent slot as one task's batches fill it, one after the other (worker side)."""
+    """A lent slot as one task fills it (worker side): batches from the start up, each one after
+    the one before, and their answers from the end down (`publish`)."""
 
-    __slots__ = ("slot", "offset")
+    __slots__ = ("slot", "offset", "limit", "view", "header", "published")
 
     def __init__(self, slot: Slot | None) -> None:
         self.slot = slot
         self.offset = 0  # where the next batch starts, after the header
+        self.limit = slot[3] if slot is not None else 0  # where the answers published so far start
+        self.view: memoryview | None = None  # the slot's bytes, once mapped (`open`)
+        self.header: Any = None
+        self.published = 0
+
+    @property
+    def room(self) -> int:
+        """Bytes left for batches."""
+        return self.limit - self.offset
+
+    def open(self, maps: SlotMaps) -> None:
+        """Map the slot (if one was lent), so that answers can be published in it."""
+        if self.slot is not None and self.view is None:
+            segment = maps.get(self.slot)
+            self.view = memoryview(segment).cast("B")
+            self.header = _Header.from_buffer(segment)
+
+    def wanted(self) -> int:
+        """How many of the task's batches the caller waits to have (0: it does not wait)."""
+        return int(self.header[_WANTED]) if self.header is not None else 0
+
+    def publish(self, position: int, answer: bytes) -> bool:
+        """Write the answer of the task's batch at `position` into the slot, where the caller
+        reads it at once (see the module's docstring); False when it does not fit."""
+        view = self.view
+        size = len(answer)
+        need = round_up(size, 8) + _TRAILER.size
+        if view is None or need > self.room:
+            return False
+        end = _HEADER_BYTES + self.limit
+        start = end - need
+        view[start:start + size] = answer
+        lend = self.slot[4] & 0xFFFFFFFF  # type: ignore[index]
+        check = zlib.crc32(_TRAILER.pack(size, position, lend, 0), zlib.crc32(answer))
+        _TRAILER.pack_into(view, end - _TRAILER.size, size, position, lend, check)
+        self.limit -= need
+        self.published += 1
+        self.header[_ANSWERS] = self.published  # last: the record is whole before it counts
+        return True
 
 
 def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any, ...]:
@@ -304,7 +363,7 @@ def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> tuple[Any,
     inline: bytearray | None = None
     slot = space.slot if space is not None else None
     offset = space.offset if space is not None else 0
-    if space is not None and slot is not None and offset + total <= slot[3]:
+    if space is not None and slot is not None and total <= space.room:
         memory: Any = maps.get(slot)
         start_at = _HEADER_BYTES + offset
         space.offset += total  # a multiple of _ALIGN_BYTES: the next batch starts aligned
@@ -385,7 +444,7 @@ def _used_bytes(slot: _Lendable) -> int:
 
 class _Lendable:
     __slots__ = ("segment", "header", "token", "capacity", "fd", "pending", "probe", "holes", "lent", "collected",
-                 "extent", "released", "tail_given")
+                 "extent", "released", "tail_given", "lendings", "answers_read", "answers_end")
 
     def __init__(self, fd: int, segment: Segment) -> None:
         self.segment = segment
@@ -402,6 +461,9 @@ class _Lendable:
         self.extent = 0  # the end of the bytes those batches use
         self.released: list[tuple[int, int]] = []  # byte ranges of its freed batches (while others are held)
         self.tail_given = False  # the bytes past `extent` were given back
+        self.lendings = 0  # times lent (the header's LEND)
+        self.answers_read = 0  # answer records of this lending read by the caller (see SlotPool.answers)
+        self.answers_end = len(segment)  # where the next record to read ends
 
     def punch(self, start: int, end: int) -> None:
         """Give back the memory of bytes [start, end) of the segment (whole pages inside it),
@@ -487,7 +549,7 @@ class SlotPool:
             # What the task's batches need: each as large as most recent ones (7 in 8); a task of
             # one batch, room for the largest recent one too. An odd larger batch among many small
             # ones travels in its handle rather than size every slot of the window.
-            needed = batches * self._typical()
+            needed = batches * (self._typical() + _ANSWER_BYTES)
             if batches == 1:
                 needed = max(needed, round_up(self._sizes[-1], _ALIGN_BYTES))
             self._most_batches = max(self._most_batches, batches, most)
@@ -512,7 +574,8 @@ class SlotPool:
         carries, which the engine keeps within TASK_BYTES unless one batch alone is larger, so
         an earlier task's count of small batches does not multiply a large one (a task of one
         large batch asks for its size in `acquire`)."""
-        return max(self._typical(), min(self._most_batches * self._typical(), TASK_BYTES))
+        return max(self._typical(), min(self._most_batches * self._typical(), TASK_BYTES)) + \
+            self._most_batches * _ANSWER_BYTES
 
     def _typical(self) -> int:
         """A batch size that most recent batches do not exceed (7 in 8 of them; call holding
@@ -549,7 +612,47 @@ class SlotPool:
             lent.holes = False
         lent.pending = lent.lent = batches
         lent.collected, lent.extent, lent.released, lent.tail_given = 0, _HEADER_BYTES, [], False
-        return (self._pid, lent.fd, lent.token, lent.capacity)
+        lent.lendings += 1
+        lent.answers_read, lent.answers_end = 0, len(lent.segment)
+        lent.header[_WANTED], lent.header[_ANSWERS] = 0, 0
+        return (self._pid, lent.fd, lent.token, lent.capacity, lent.lendings)
+
+    def _lent_now(self, slot: Slot | None) -> _Lendable | None:
+        """The slot as lent with `slot` (None: retired, or lent again since; call holding the lock)."""
+        lent = self._slots.get(slot[2]) if slot is not None else None
+        return lent if lent is not None and lent.lendings == slot[4] else None  # type: ignore[index]
+
+    def want(self, slot: Slot | None, count: int) -> None:
+        """Tell the worker loading the task lent `slot` that the caller waits to have `count`
+        of its batches: it says so as soon as that many are in (see `answers`)."""
+        with self._lock:
+            lent = self._lent_now(slot)
+            if lent is not None:
+                lent.header[_WANTED] = count
+
+    def answers(self, slot: Slot | None) -> list[tuple[int, bytes]]:
+        """The answers the worker has published in `slot` since the last call, as (position in
+        the task, encoded answer); none once the slot is retired or lent again."""
+        found: list[tuple[int, bytes]] = []
+        with self._lock:
+            lent = self._lent_now(slot)
+            if lent is None:
+                return found
+            view = memoryview(lent.segment).cast("B")
+            lend = lent.lendings & 0xFFFFFFFF
+            while lent.answers_read < lent.header[_ANSWERS]:
+                end = lent.answers_end
+                size, position, record_lend, check = _TRAILER.unpack_from(view, end - _TRAILER.size)
+                start = end - _TRAILER.size - round_up(size, 8)
+                if record_lend != lend or start < _HEADER_BYTES:
+                    break  # not all of it is visible yet: the next look takes it
+                answer = bytes(view[start:start + size])
+                if zlib.crc32(_TRAILER.pack(size, position, record_lend, 0), zlib.crc32(answer)) != check:
+                    break
+                found.append((position, answer))
+                lent.answers_read += 1
+                lent.answers_end = start
+        return found
 
     def rebuild(self, slot: Slot | None, handle: tuple[Any, ...]) -> Any:
         """Turn a handle into the batch. Tensors view the slot when the batch was written

@@ -33,7 +33,7 @@ from typing import Any, Callable, ContextManager
 from . import _registry
 from ._admission import Admission
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
-from ._mppool import on_result_sent, on_task_taken, on_task_wanted
+from ._mppool import on_result_sent, on_task_taken, on_task_wanted, send_partial
 from ._protocol import StreamRequest, WorkerFailure, encode, encode_answers
 from ._registry import Payload, Registration
 from ._seed import seed_global_rng
@@ -61,6 +61,11 @@ _WORKER_SLICE_NS = 10_000_000
 # system call's number where gloader asks for the slice.
 _SCHED_ATTR = struct.Struct("IIQiIQQQII")
 _SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
+# A task that has run this long (twice what tasks are sized for, `_engine._TASK_TARGET_S`: its
+# batches got slower) tells a caller waiting for one of its written batches at once, by
+# message; before, the caller finds it in the slot at the task's end or its next look
+# (`_engine._POLL_S`), which costs no message. Larger: fewer messages; smaller: sooner.
+_LONG_TASK_S = 0.04
 
 
 class StatusTable:
@@ -302,9 +307,11 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
             written into it one after the other (None: none yet).
 
     Returns:
-        A list of answers, one per batch (`Loaded`, `ShardEnd` or `WorkerFailure`); from
-        process workers, as `encode_answers` bytes. A failed batch does
-        not stop the others: each answer is re-raised when the caller reaches its batch.
+        A list of answers, one per batch (`Loaded`, `ShardEnd` or `WorkerFailure`). Process
+        workers publish each answer in the slot as its batch is written (see `_transport`)
+        and return `encode_answers` bytes of (position, encoded answer) for those that did
+        not fit there and were not sent before (see `_tell_caller`). A failed batch does not
+        stop the others: each answer is re-raised when the caller reaches its batch.
     """
     state: WorkerState | None = getattr(_THREAD_STATE, "state", None) or _PROCESS_STATE
     if state is None:
@@ -312,11 +319,16 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
                                 batches[0][0], None, -1, os.getpid(), None)
         return encode_answers([failure] * len(batches))
     registration = state.link.find(loader_id, state)
-    answers: list[Any] = []
     space = SlotSpace(slot)
+    maps = state.writer.maps if isinstance(state.writer, SharedMemoryWriter) else None
+    if maps is not None:
+        space.open(maps)
+    answers: list[Any] = []  # in-process and threads: every answer; processes: those not published
+    notified = 0  # the caller's WANTED last answered (see _tell_caller)
+    started = time.monotonic()
     admission = state.admission.task(isinstance(batches[0][2], StreamRequest)) if state.admission else _ADMITTED
     with admission:
-        for batch_index, seed, work in batches:
+        for position, (batch_index, seed, work) in enumerate(batches):
             if registration is None:
                 exc = RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its "
                                    "pool was started without it")
@@ -324,11 +336,32 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
             else:
                 state.link.begin(loader_id, epoch, batch_index)
                 message = execute(state, registration, loader_id, epoch, batch_index, seed, work, space)
-            answers.append(message)
+            if not state.crosses_process:
+                answers.append(message)
+                continue
+            encoded = _send(state, message, batch_index)
+            if answers or not space.publish(position, encoded):  # published in order, up to the first that did not fit
+                answers.append((position, encoded))
+            if position + 1 < len(batches):
+                notified, answers = _tell_caller(space, notified, answers, started)
     if not state.crosses_process:
         return answers
-    # Each answer pickled on its own: one the caller cannot unpickle fails its batch alone.
-    return encode_answers([_send(state, message, batch[0]) for message, batch in zip(answers, batches)])
+    return encode_answers(answers)
+
+
+def _tell_caller(space: SlotSpace, notified: int, unpublished: list[tuple[int, bytes]], started: float
+                 ) -> tuple[int, list[tuple[int, bytes]]]:
+    """When the caller waits for a batch of this long task that is written (the slot's
+    WANTED, see _LONG_TASK_S), send it a message now rather than at the task's end: a notice
+    when the batch's answer is published in the slot, or the answers that were not. Returns
+    the WANTED answered and the answers still to send."""
+    wanted = space.wanted()
+    if wanted <= notified or wanted > space.published + len(unpublished) \
+            or time.monotonic() - started < _LONG_TASK_S:
+        return notified, unpublished  # not waiting, answered already, its batch not written yet, or a short task
+    if send_partial(encode_answers(unpublished) if wanted > space.published else None):
+        return wanted, [] if wanted > space.published else unpublished
+    return notified, unpublished
 
 
 def _send(state: WorkerState, message: Any, batch_index: int) -> bytes:

@@ -149,6 +149,25 @@ class SleepsWhenFlagged(Sleepy):
         return super().__getitem__(idx)
 
 
+class SlowsDownWhenFlagged(gloader.Dataset):
+    """From sample `start` on, each sample takes `seconds` while the file `flag` exists: a
+    per-sample cost that jumps in the middle of an epoch."""
+
+    def __init__(self, flag: str, start: int, seconds: float, length: int) -> None:
+        self.flag = flag
+        self.start = start
+        self.seconds = seconds
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx >= self.start and os.path.exists(self.flag):
+            time.sleep(self.seconds)
+        return np.array([idx], dtype=np.int64)
+
+
 class Unpicklable(gloader.Dataset):
     """Holds a generator three levels down: cannot be sent to spawn workers, even by dill."""
 

@@ -3,7 +3,6 @@ datasets, keys, superseded iterators, thread workers and impossible resume state
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from typing import Iterator
@@ -115,7 +114,7 @@ def test_a_hung_worker_on_a_shared_pool_is_replaced_after_the_timeout() -> None:
             assert torch.cat(list(other)).tolist() == list(range(8))  # both workers serve again
 
 
-def test_a_hang_inside_a_task_of_several_batches_times_out_naming_them_and_the_worker_is_replaced(tmp_path) -> None:
+def test_a_hang_inside_a_task_of_several_batches_times_out_naming_that_batch_and_the_worker_is_replaced(tmp_path) -> None:
     flag = tmp_path / "hang"
     with WorkerPool(2) as pool:
         # Sample 1001 (batch 500) lies beyond what the loader dispatches of epoch 1 while epoch 0
@@ -126,13 +125,29 @@ def test_a_hang_inside_a_task_of_several_batches_times_out_naming_them_and_the_w
             assert loader._engine.batches_per_task() > 1
             before = set(pool.worker_pids())
             flag.touch()
-            with pytest.raises(gloader.BatchTimeoutError, match=r"batches (\d+)-(\d+), loaded as one task, of epoch 1") as info:
-                list(loader)
-            first, last = (int(n) for n in re.search(r"batches (\d+)-(\d+)", str(info.value)).groups())
-            assert first <= 500 <= last
+            served = []
+            with pytest.raises(gloader.BatchTimeoutError, match=r"batch 500 of epoch 1 \(sample indices \[1000, 1001\]\)"):
+                for batch in loader:
+                    served.append(batch)
+            # every batch before the hung one came, those written before it in its task included
+            assert torch.cat(served).flatten().tolist() == list(range(1000))
         assert wait_until(lambda: len(set(pool.worker_pids()) - before) == 1, 5.0)  # the stuck worker was replaced
         with DataLoader(np.arange(8), batch_size=2, pool=pool, timeout=10) as other:
             assert torch.cat(list(other)).tolist() == list(range(8))
+
+
+def test_the_timeout_is_per_batch_when_the_cost_of_samples_jumps(tmp_path) -> None:
+    """Tasks sized on fast samples carry many batches; when each sample then takes 0.2 s, no
+    batch comes near timeout=1.5, so none may time out (a whole task would take seconds)."""
+    flag = tmp_path / "slow"
+    dataset = _data.SlowsDownWhenFlagged(str(flag), start=1000, seconds=0.2, length=2000)
+    with DataLoader(dataset, batch_size=1, num_workers=2, timeout=1.5) as loader:
+        list(loader)  # fast: later tasks carry many batches
+        assert loader._engine.batches_per_task() >= 16
+        flag.touch()
+        it = iter(loader)
+        got = [next(it) for _ in range(1012)]  # past sample 1000 (not dispatched before the flag), then slow
+    assert torch.cat(got).flatten().tolist() == list(range(1012))
 
 
 def test_a_dead_worker_is_reported_promptly() -> None:

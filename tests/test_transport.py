@@ -260,12 +260,12 @@ def test_files_planted_in_dev_shm_are_never_touched() -> None:
 def test_a_slot_whose_token_does_not_match_is_refused(slots) -> None:
     pool, maps = slots
     pool.give_back(None, (0, 0, 4096, None, None))  # a batch of 4 KiB was seen
-    pid, fd, token, capacity = pool.acquire()
+    pid, fd, token, capacity, lending = pool.acquire()
     assert token != 0 and pid == os.getpid()
     with pytest.raises(RuntimeError, match=r"is not the slot gloader's caller \(pid \d+\) lent"):
-        maps.get((pid, fd, token ^ 2, capacity))
-    assert len(maps) == 0 and maps.get((pid, fd, token, capacity)) is not None
-    pool.give_back((pid, fd, token, capacity), None)
+        maps.get((pid, fd, token ^ 2, capacity, lending))
+    assert len(maps) == 0 and maps.get((pid, fd, token, capacity, lending)) is not None
+    pool.give_back((pid, fd, token, capacity, lending), None)
 
 
 def test_a_batch_freed_while_the_slot_pool_holds_its_lock_does_not_deadlock() -> None:
@@ -397,3 +397,47 @@ def test_an_idle_loader_gives_back_the_memory_of_dropped_batches_within_a_second
 
         # 2.3 MiB a slot, 58 retired: 140 MiB stayed until the next epoch's tasks reached the workers
         assert wait_until(lambda: workers_keep_beyond_headers() <= 0, 1.0), workers_keep_beyond_headers()
+
+
+def test_answers_published_in_a_slot_reach_the_caller_in_any_order_and_only_for_their_lending(slots) -> None:
+    pool, maps = slots
+    pool.give_back(None, (0, 0, 4096, None, None))  # a batch of 4 KiB was seen
+    slot = pool.acquire(3)
+    space = SlotSpace(slot)
+    space.open(maps)
+    assert pool.answers(slot) == []
+    assert space.publish(0, b"first") and space.publish(2, b"third")
+    assert pool.answers(slot) == [(0, b"first"), (2, b"third")]
+    assert pool.answers(slot) == []  # each is read once
+    assert space.publish(1, b"x" * 1000)
+    assert pool.answers(slot) == [(1, b"x" * 1000)]
+    assert not space.publish(3, b"y" * (slot[3] + 1))  # larger than what is left: the task's message takes it
+    for _ in range(3):
+        pool.give_back(slot, None)
+    again = pool.acquire(1)
+    assert again[2] == slot[2] and again[4] != slot[4]  # the same slot, lent again
+    assert pool.answers(again) == []  # the earlier lending's records are not this one's
+    space = SlotSpace(again)
+    space.open(maps)
+    assert space.publish(0, b"new")
+    assert pool.answers(slot) == []  # a task of the earlier lending does not take the new one's answers
+    assert pool.answers(again) == [(0, b"new")]
+    pool.give_back(again, None)
+
+
+def test_a_record_not_yet_whole_is_not_taken_for_an_answer(slots) -> None:
+    from gloader import _transport
+
+    pool, maps = slots
+    pool.give_back(None, (0, 0, 4096, None, None))
+    slot = pool.acquire(2)
+    space = SlotSpace(slot)
+    space.open(maps)
+    assert space.publish(0, b"answer")
+    record_end = _transport._HEADER_BYTES + slot[3]
+    space.view[record_end - _transport._TRAILER.size - 8] ^= 0xFF  # as if its bytes were not all visible yet
+    assert pool.answers(slot) == []
+    space.view[record_end - _transport._TRAILER.size - 8] ^= 0xFF
+    assert pool.answers(slot) == [(0, b"answer")]  # taken at the next look
+    pool.give_back(slot, None)
+    pool.give_back(slot, None)
