@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "ProcessLock", "disk_full", "forget_task", "make_pool_class", "on_result_sent",
+__all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_TASKS_CLOSED", "ProcessLock", "disk_full", "forget_task", "make_pool_class", "on_result_sent",
            "on_task_taken", "on_task_wanted", "send_partial"]
 
 
@@ -46,6 +46,11 @@ _DRAIN_POLL_MAX_S = 2e-3
 # The result pipe's capacity assumed where the system cannot tell it (not Linux): results
 # larger than the capacity go through a file (see _spill).
 _DEFAULT_PIPE_BYTES = 16 * 1024
+
+# Exit codes of a worker that ends on its own because its caller's end of a queue is gone,
+# rather than 0, which read as the dataset's doing (see `_pool.describe_exit`).
+EXIT_TASKS_CLOSED = 117  # its task socket was closed (or could not be read)
+EXIT_RESULTS_CLOSED = 118  # its result pipe was closed
 
 # Run in a worker before it waits for its next task, with each task it is about to take,
 # and after each result it sends (set by its initializer); None in the caller.
@@ -386,12 +391,17 @@ def _make_queue_class() -> Any:
                 if _task_wanted is not None:
                     _task_wanted()
                 with self._rlock:
-                    if self.atomic_reads:
-                        data = _take_message(self._reading_socket(), claim if _task_taken is not None else None)
-                        if _task_taken is not None and not taken:  # read in pieces: claimed once read
-                            claim(memoryview(data))
-                    else:
-                        data = self._reader.recv_bytes()
+                    try:
+                        if self.atomic_reads:
+                            data = _take_message(self._reading_socket(), claim if _task_taken is not None else None)
+                            if _task_taken is not None and not taken:  # read in pieces: claimed once read
+                                claim(memoryview(data))
+                        else:
+                            data = self._reader.recv_bytes()
+                    except (EOFError, OSError):
+                        if os.getpid() == self._creator:
+                            raise
+                        os._exit(EXIT_TASKS_CLOSED)  # the pool's loop would end the worker with 0
                 task = taken[0] if taken else _ForkingPickler.loads(data)
                 global _job
                 _job = task[0] if type(task) is tuple and len(task) == 5 else None  # (job, i, func, args, kwargs)
@@ -419,7 +429,7 @@ def _make_queue_class() -> Any:
                         raise
                     # A worker whose caller is gone (killed): nobody will read this result,
                     # and the pool's worker loop would print a traceback for each one.
-                    os._exit(0)
+                    os._exit(EXIT_RESULTS_CLOSED)
                 if finished and _result_sent is not None and os.getpid() != self._creator:
                     _result_sent()
 

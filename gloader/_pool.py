@@ -25,11 +25,18 @@ from typing import Any, Callable, Iterator
 
 from ._admission import usable_cpus
 from ._checks import check_flag, check_positive_int, check_start_method
-from ._mppool import ProcessLock, disk_full, forget_task, make_pool_class
+from ._mppool import EXIT_RESULTS_CLOSED, EXIT_TASKS_CLOSED, ProcessLock, disk_full, forget_task, make_pool_class
 from ._pooldir import PoolDirectory
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
-from ._worker import PoolSpec, StatusTable, initialize_process_worker, initialize_thread_worker, run_task
+from ._worker import (
+    EXIT_CALLER_GONE,
+    PoolSpec,
+    StatusTable,
+    initialize_process_worker,
+    initialize_thread_worker,
+    run_task,
+)
 
 __all__ = ["PoolCore", "WorkerExitedError", "WorkerPool", "describe_exit", "track"]
 
@@ -55,8 +62,21 @@ _SIGNAL_CAUSES = {
 }
 
 
+# Workers that end on their own say why by their exit code.
+_OWN_EXITS = {
+    EXIT_TASKS_CLOSED: "its task queue was closed or could not be read, so it stopped (the caller's end of the "
+                       "pool's pipes was closed: the pool was stopped, or this process closed descriptors it "
+                       "did not open)",
+    EXIT_RESULTS_CLOSED: "its result pipe was closed, so it stopped (the caller's end of the pool's pipes was "
+                         "closed: the pool was stopped, or this process closed descriptors it did not open)",
+    EXIT_CALLER_GONE: "it found its parent process or the main process gone, so it stopped",
+}
+
+
 def describe_exit(exitcode: int) -> str:
     """Say how a worker ended and the likely cause, from its exit code."""
+    if exitcode in _OWN_EXITS:
+        return f"exited with code {exitcode}: {_OWN_EXITS[exitcode]}"
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -64,8 +84,8 @@ def describe_exit(exitcode: int) -> str:
             name = f"signal {-exitcode}"
         cause = _SIGNAL_CAUSES.get(-exitcode, "it received a fatal signal")  # type: ignore[call-overload]
         return f"was ended by {name}; likely cause: {cause}"
-    return (f"exited with code {exitcode}; likely cause: os._exit() or sys.exit() called in the "
-            "dataset, a transform or the batchify function")
+    return (f"exited with code {exitcode}; likely cause: os._exit() called in the dataset, a transform or "
+            "the batchify function, or an exit of the interpreter from native code")
 
 
 @dataclasses.dataclass

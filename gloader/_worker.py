@@ -39,11 +39,14 @@ from ._registry import Payload, Registration
 from ._seed import seed_global_rng
 from ._transport import Slot, SlotSpace, close_inherited_segments
 
-__all__ = ["PoolSpec", "StatusTable", "WorkerState", "execute", "initialize_process_worker",
+__all__ = ["EXIT_CALLER_GONE", "PoolSpec", "StatusTable", "WorkerState", "execute", "initialize_process_worker",
            "initialize_thread_worker", "run_task"]
 
 logger = logging.getLogger(__name__)
 
+# The exit code of a worker that ends because its parent or the main process is gone
+# (see _watch_parent), rather than 0, which read as the dataset's doing.
+EXIT_CALLER_GONE = 119
 # How often a process worker checks that the caller is alive. Larger: less wake-up noise;
 # smaller: orphaned workers exit (and free their memory) sooner after the caller is killed.
 _PARENT_POLL_S = 0.2
@@ -507,7 +510,7 @@ def _watch_parent(parent: int, main_pid: int) -> None:
         watched.poll()
     while not _is_orphaned(parent, main_pid):
         time.sleep(_PARENT_POLL_S)
-    os._exit(0)
+    os._exit(EXIT_CALLER_GONE)
 
 
 def _pidfds(pids: set[int]) -> select.poll | None:

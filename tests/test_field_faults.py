@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import psutil
@@ -403,3 +403,25 @@ def test_a_batch_whose_answer_cannot_be_rebuilt_in_the_caller_fails_alone() -> N
             failures[0].__notes__)
         assert [x for batch in got for x in batch] == [i for i in range(64) if not 20 <= i < 24]
         assert loader.state_dict()["epoch"] == 1
+
+
+@pytest.mark.parametrize("lost", ["tasks", "results"])
+def test_a_worker_that_loses_its_end_of_a_queue_says_so_instead_of_blaming_the_dataset(monkeypatch, lost) -> None:
+    from gloader import _mppool
+
+    name = "_take_message" if lost == "tasks" else "_write_whole"
+    original, caller = getattr(_mppool, name), os.getpid()
+
+    def closed(*args: Any) -> Any:
+        if os.getpid() == caller:  # the caller writes to the result pipe too, to stop the pool's threads
+            return original(*args)
+        raise EOFError("the task socket was closed") if lost == "tasks" else BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(_mppool, name, closed)  # inherited by the forked workers
+    with DataLoader(np.arange(8), batch_size=2, num_workers=1, start_method="fork", timeout=10) as loader:
+        with pytest.raises(gloader.WorkerExitedError) as info:
+            list(loader)
+    code = _mppool.EXIT_TASKS_CLOSED if lost == "tasks" else _mppool.EXIT_RESULTS_CLOSED
+    assert f"exited with code {code}: its {'task queue' if lost == 'tasks' else 'result pipe'} was closed" \
+        in str(info.value)
+    assert "dataset" not in str(info.value).split(".")[0]
