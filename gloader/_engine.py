@@ -54,6 +54,7 @@ from ._protocol import (
     BatchTimeoutError,
     Job,
     Loaded,
+    SharedMemoryUnreachableError,
     StreamRequest,
     WorkerExitedError,
     WorkerFailure,
@@ -68,6 +69,8 @@ from ._transport import TASK_BYTES, Slot, SlotPool
 from ._worker import WorkerState, execute
 
 __all__ = ["Collected", "Engine"]
+
+_UNREACHABLE = f"{SharedMemoryUnreachableError.__module__}.{SharedMemoryUnreachableError.__qualname__}"
 
 logger = logging.getLogger(__name__)
 
@@ -500,6 +503,8 @@ class Engine:
             if slots is not None:
                 slots.give_back(slot, None)
             if isinstance(message, WorkerFailure):
+                if message.type_name == _UNREACHABLE:  # every batch would fail alike: stop at the first
+                    self.stop_workers(prompt=True)
                 message.reraise(epoch)
             return Collected(message, {}, message.worker_id, 0)
         batch = message.batch

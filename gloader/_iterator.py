@@ -16,7 +16,7 @@ from typing import Any
 from ._device import PinThread
 from ._engine import Collected, Engine
 from ._options import LoaderConfig
-from ._protocol import BatchTimeoutError, ShardEnd, WorkerExitedError
+from ._protocol import EPOCH_ENDING_ERRORS, BatchTimeoutError, ShardEnd
 from ._schedule import Epoch, Schedule
 from ._stats import PipelineStats, ProgressBar
 
@@ -49,7 +49,7 @@ class _HostBatches:
         self._engine.fill(self._next_job)
         try:
             got = self._engine.collect(self._epoch.number)
-        except (WorkerExitedError, BatchTimeoutError):
+        except EPOCH_ENDING_ERRORS:
             # The engine stopped the workers; the batches of the epoch opened ahead were lost with
             # them, so that epoch opens again from its start, with its own order and seeds.
             self.ended = True
@@ -201,7 +201,7 @@ class EpochIterator:
             raise
         except BaseException as exc:
             self.yielded += 1  # a batch that raised is consumed: resume starts after it
-            if isinstance(exc, (WorkerExitedError, BatchTimeoutError)) and self._host.ended:
+            if isinstance(exc, EPOCH_ENDING_ERRORS) and self._host.ended:
                 self.finished = True  # its workers were stopped: the next iter() (and state) is the next epoch
             raise
         self.yielded += 1

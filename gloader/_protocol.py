@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
-__all__ = ["BatchTimeoutError", "Job", "Loaded", "ShardEnd", "StreamRequest", "WorkerExitedError", "WorkerFailure",
+__all__ = ["EPOCH_ENDING_ERRORS", "SharedMemoryUnreachableError", "BatchTimeoutError", "Job", "Loaded", "ShardEnd", "StreamRequest", "WorkerExitedError", "WorkerFailure",
            "decode", "decode_answer", "decode_answers", "decode_keys", "encode", "encode_answers", "encode_keys"]
 
 
@@ -33,6 +33,16 @@ class BatchTimeoutError(TimeoutError, RuntimeError):
 
 class WorkerExitedError(RuntimeError):
     """A worker process died while the loader was running."""
+
+
+class SharedMemoryUnreachableError(RuntimeError):
+    """Worker processes cannot open the shared memory their caller lends (through /proc). No
+    batch can travel: the loader stops its workers at the first batch instead of failing each."""
+
+
+# Errors after which the loader's workers are stopped and the epoch is over (the next iter()
+# starts the next epoch on new workers).
+EPOCH_ENDING_ERRORS = (WorkerExitedError, BatchTimeoutError, SharedMemoryUnreachableError)
 
 
 class StreamRequest(NamedTuple):

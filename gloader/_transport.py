@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from ._math import round_up
+from ._protocol import SharedMemoryUnreachableError
 from ._tree import Leaf, Opaque
 
 __all__ = ["TASK_BYTES", "SlotMaps", "SlotPool", "SlotSpace", "close_inherited_segments", "pack_batch"]
@@ -226,9 +227,11 @@ class SlotMaps:
         try:
             local = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except PermissionError as exc:
-            raise RuntimeError(f"cannot open {path}, the shared memory gloader's caller (pid {pid}) lent: this "
-                               "system does not let a worker open its caller's descriptors; use thread_pool=True "
-                               "or num_workers=0") from exc
+            raise SharedMemoryUnreachableError(
+                f"gloader's worker processes cannot open {path}, the shared memory their caller (pid {pid}) lends "
+                "them: the caller is not dumpable (prctl(PR_SET_DUMPABLE, 0), or a setuid or setgid program), the "
+                "workers run as another user, or a security module forbids it; keep the caller dumpable and the "
+                "workers its own user, or use thread_pool=True or num_workers=0") from exc
         try:
             segment = _map_fd(local, _HEADER_BYTES + capacity)
         finally:

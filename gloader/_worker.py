@@ -325,7 +325,10 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
     space = SlotSpace(slot)
     maps = state.writer.maps if isinstance(state.writer, SharedMemoryWriter) else None
     if maps is not None:
-        space.open(maps)
+        try:
+            space.open(maps)
+        except Exception:  # no answer is published in the slot; writing a batch into it reports the error, per batch
+            pass
     answers: list[Any] = []  # in-process and threads: every answer; processes: those not published
     notified = 0  # the caller's WANTED last answered (see _tell_caller)
     started = time.monotonic()

@@ -425,3 +425,19 @@ def test_a_worker_that_loses_its_end_of_a_queue_says_so_instead_of_blaming_the_d
     assert f"exited with code {code}: its {'task queue' if lost == 'tasks' else 'result pipe'} was closed" \
         in str(info.value)
     assert "dataset" not in str(info.value).split(".")[0]
+
+
+def test_workers_that_cannot_open_the_callers_shared_memory_fail_the_loader_once_naming_the_cause(monkeypatch) -> None:
+    original, caller = os.open, os.getpid()
+
+    def refused(path: Any, *args: Any, **kwargs: Any) -> int:  # as for a caller that is not dumpable
+        if os.getpid() != caller and str(path).startswith(f"/proc/{caller}/fd/"):
+            raise PermissionError(1, "Operation not permitted", path)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)  # inherited by the forked workers
+    with DataLoader(np.arange(64), batch_size=2, num_workers=2, start_method="fork") as loader:
+        got, errors = take_all(iter(loader), RuntimeError)
+        assert got == [] and len(errors) == 1  # once, not once per batch
+        assert "not dumpable" in str(errors[0]) and "thread_pool=True" in str(errors[0])
+        assert not loader.worker_pids()  # stopped: the next epoch starts on new workers
