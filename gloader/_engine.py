@@ -367,6 +367,7 @@ class Engine:
         self.reordered_epoch: int | None = None  # the latest epoch a batch was collected ahead of an older one
         self._closed = False  # close() ran: no workers start again
         self._helpers: weakref.WeakSet[Any] = weakref.WeakSet()  # threads fetching through this engine
+        self.fetch_threads: dict[int, int] = {}  # worker id -> threads its latest batch was fetched with
 
     @property
     def in_flight(self) -> int:
@@ -508,6 +509,8 @@ class Engine:
                 message.reraise(epoch)
             return Collected(message, {}, message.worker_id, 0)
         batch = message.batch
+        if message.fetch_threads:
+            self.fetch_threads[message.worker_id] = message.fetch_threads
         if slots is not None:
             self._estimate(message, batch[2])  # the handle's bytes used
             batch = slots.rebuild(slot, batch)

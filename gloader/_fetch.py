@@ -9,17 +9,20 @@ never imports caller-side code. The flow is drawn in `_engine`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 from typing import Any, Callable, Protocol
 
+from . import _registry
 from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
 from ._rows import load_rows
+from ._seed import derive_sample_seed
 from ._transport import SlotMaps, SlotSpace, pack_batch
 from ._tree import arrays_to_tensors
 from .batchify import build_planned, default_batchify_fn, plan_batch
 
-__all__ = ["BatchWriter", "Cursor", "DirectWriter", "SharedMemoryWriter", "load_batch"]
+__all__ = ["BatchWriter", "Cursor", "DirectWriter", "Fetcher", "SharedMemoryWriter", "load_batch"]
 
 
 # Slots a process worker keeps mapped; see SlotMaps. A cap well above the slots in
@@ -30,6 +33,15 @@ _MAX_MAPPED_SLOTS = 256
 # Batches between two prunes of a worker's mappings (a header read per mapped slot).
 # Smaller: memory of retired slots returns sooner; larger: less per-batch cost.
 _PRUNE_EVERY_BATCHES = 8
+# fetch_threads='auto' (see _Climb): the most threads a worker fetches with; the batches each
+# thread count is measured over; how much faster twice the threads must fetch to be kept (and
+# how much slower half of them may be); and how many measurements a settled count is held for
+# before the next try. Longer measurements and holds: steadier counts; shorter: quicker to follow.
+_AUTO_MOST_THREADS = 64
+_AUTO_MEASURE_BATCHES = 3
+_AUTO_GAIN = 1.10
+_AUTO_LOSS = 0.95
+_AUTO_HOLD = 10
 
 
 class BatchWriter(Protocol):
@@ -91,6 +103,137 @@ class Cursor:
         self.key = key
 
 
+class _Climb:
+    """fetch_threads='auto': the thread count that fetches fastest, found by trying.
+
+    Each count is measured over _AUTO_MEASURE_BATCHES batches (samples per second of fetching;
+    one batch while it first climbs, so that a loader's first epoch is not spent finding it).
+    From one thread it doubles while twice the threads fetch at least _AUTO_GAIN times as fast
+    (samples that wait gain, samples that compute or hold the GIL do not), then holds; after
+    _AUTO_HOLD measurements it tries again, up and down in turn (half the threads are kept if
+    they fetch at least _AUTO_LOSS as fast), so the count follows a dataset whose waiting changes.
+    """
+
+    def __init__(self, most: int) -> None:
+        self.count = 1
+        self._most = most
+        self._samples = 0
+        self._seconds = 0.0
+        self._batches = 0
+        self._base: tuple[int, float] | None = None  # (count, samples/s) the count under trial is compared with
+        self._hold = 0  # measurements left before the next trial
+        self._down = False  # the next trial halves the count
+        self._climbing = True  # not settled yet
+
+    def record(self, samples: int, seconds: float) -> None:
+        self._samples += samples
+        self._seconds += seconds
+        self._batches += 1
+        if self._batches < (1 if self._climbing else _AUTO_MEASURE_BATCHES):
+            return
+        rate = self._samples / max(self._seconds, 1e-9)
+        self._samples, self._seconds, self._batches = 0, 0.0, 0
+        base = self._base
+        if base is None or self._hold > 0 or base[0] == self.count:  # measuring the settled count
+            self._base = (self.count, rate)
+            self._hold = max(0, self._hold - 1)
+            if self._hold == 0:
+                self._try(up=not self._down)
+            return
+        up = self.count > base[0]
+        if rate >= base[1] * (_AUTO_GAIN if up else _AUTO_LOSS):  # kept: go on the same way
+            self._base = (self.count, rate)
+            self._try(up)
+        else:  # back to the count before, for a while
+            self.count = base[0]
+            self._settle(down=up)
+
+    def _try(self, up: bool) -> None:
+        trial = min(self._most, self.count * 2) if up else max(1, self.count // 2)
+        if trial == self.count:
+            self._settle(down=up)
+        else:
+            self.count = trial
+
+    def _settle(self, down: bool) -> None:
+        self._hold = _AUTO_HOLD
+        self._down = down
+        self._climbing = False
+
+
+class Fetcher:
+    """fetch_threads: a batch's samples fetched concurrently, `count` at a time, for datasets
+    whose samples wait (object storage, a network file system, an HTTP service).
+
+    Each sample gets its own seed (from the batch's seed and its position) in its
+    `get_worker_info()`, so what a dataset draws from `get_worker_info().rng` is the same for
+    any number of threads and workers; the process-wide generators, which the threads share,
+    are seeded per batch and their draws interleave. With 'auto' the count is the one found to
+    fetch fastest, and kept under trial (see _Climb).
+    """
+
+    def __init__(self, setting: int | str) -> None:
+        self._climb = _Climb(_AUTO_MOST_THREADS) if setting == "auto" else None
+        self._most = _AUTO_MOST_THREADS if self._climb is not None else int(setting)
+        self.used = 0  # threads the latest batch was fetched with
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def count(self) -> int:
+        return self._climb.count if self._climb is not None else self._most
+
+    def fetch(self, load: Callable[[Any], Any], keys: list[Any], info: tuple[int, int, int, Any],
+              cursor: Cursor) -> list[Any]:
+        """The samples of `keys`, in order; raises what the first failing sample raised
+        (`cursor.key` names it), after every thread has finished."""
+        count = self.used = min(self.count, len(keys))
+        started = time.monotonic()
+        if count <= 1:
+            results = [_fetch_group(load, keys, info, 0, 1)]
+        else:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(self._most, "gloader-fetch")
+            futures = [self._executor.submit(_fetch_group, load, keys, info, first, count) for first in range(count)]
+            results = [future.result() for future in futures]
+        samples: list[Any] = [None] * len(keys)
+        failed: tuple[int, BaseException] | None = None
+        for first, (taken, error) in enumerate(results):
+            for position, sample in zip(range(first, len(keys), count), taken):
+                samples[position] = sample
+            if error is not None and (failed is None or error[0] < failed[0]):
+                failed = error
+        _registry.set_current_info(info)  # the batch's own, for batchify
+        if failed is not None:
+            cursor.key = keys[failed[0]]
+            raise failed[1]
+        if self._climb is not None:
+            self._climb.record(len(keys), time.monotonic() - started)
+        return samples
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+def _fetch_group(load: Callable[[Any], Any], keys: list[Any], info: tuple[int, int, int, Any], first: int,
+                 step: int) -> tuple[list[Any], tuple[int, BaseException] | None]:
+    """Fetch keys[first::step] in turn, each with its own seed: (the samples, (position, error)
+    of the first that raised, or None)."""
+    worker_id, num_workers, seed, dataset = info
+    taken: list[Any] = []
+    try:
+        for position in range(first, len(keys), step):
+            _registry.set_current_info((worker_id, num_workers, derive_sample_seed(seed, position), dataset))
+            try:
+                taken.append(load(keys[position]))
+            except BaseException as exc:
+                return taken, (position, exc)
+    finally:
+        _registry.set_current_info(None)
+    return taken, None
+
+
 def _fetch_samples(dataset: Any, keys: list[Any], cursor: Cursor) -> list[Any]:
     getitems = getattr(dataset, "__getitems__", None)
     if getitems is not None:  # torch's batched protocol (HuggingFace datasets): one call per batch
@@ -134,8 +277,10 @@ def _next_shard_samples(streams: dict[int, tuple[int, Any]], loader_id: int, epo
 
 
 def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: SlotSpace | None, writer: BatchWriter,
-               streams: dict[int, tuple[int, Any]], worker_id: int, cursor: Cursor) -> Loaded | ShardEnd:
+               streams: dict[int, tuple[int, Any]], worker_id: int, cursor: Cursor,
+               info: tuple[int, int, int, Any] | None = None) -> Loaded | ShardEnd:
     """Load one batch of a registered loader: its samples by key, or a stream's next ones.
+    `info`: the batch's (worker id, num_workers, seed, dataset), for fetch_threads.
 
     Raises whatever the dataset or the batchify function raises; `cursor.key` then names the
     sample being fetched (None when batchify failed).
@@ -148,7 +293,11 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: 
     else:
         keys = decode_keys(work)
         dataset = registration.dataset
-        if (registration.batchify_fn is default_batchify_fn and isinstance(writer, SharedMemoryWriter)
+        if registration.fetch_threads is not None and info is not None and keys:
+            if registration.fetcher is None:
+                registration.fetcher = Fetcher(registration.fetch_threads)
+            samples = registration.fetcher.fetch(dataset.__getitem__, keys, info, cursor)
+        elif (registration.batchify_fn is default_batchify_fn and isinstance(writer, SharedMemoryWriter)
                 and keys and getattr(dataset, "__getitems__", None) is None):
             # Large samples go straight into the slot as they come (see _rows); the fetch
             # time then includes their copies.
@@ -162,4 +311,5 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: 
     fetched = time.monotonic()
     batch = writer.write(registration.batchify_fn, samples, space)
     finished = time.monotonic()
-    return Loaded(batch, fetched - started, finished - fetched, worker_id, started, finished, len(samples))
+    threads = registration.fetcher.used if registration.fetcher is not None else 0
+    return Loaded(batch, fetched - started, finished - fetched, worker_id, started, finished, len(samples), threads)

@@ -81,6 +81,8 @@ class LoaderConfig:
     mp_context: Any = None
     # shuffle=True: the loader built a RandomSampler, seeded with the base seed.
     own_shuffle: bool = False
+    # Threads each worker fetches a batch's samples with (None: the worker's own thread).
+    fetch_threads: int | str | None = None
 
     @property
     def device_reads_slots(self) -> bool:
@@ -104,7 +106,7 @@ class LoaderConfig:
               prefetch: Any, thread_pool: Any, timeout: Any, device: Any, worker_init_fn: Any, seed: Any,
               start_method: Any, pool: Any, progress: Any, collate_fn: Any = None, drop_last: Any = None,
               persistent_workers: Any = None, prefetch_factor: Any = None, multiprocessing_context: Any = None,
-              generator: Any = None, in_order: Any = True) -> LoaderConfig:
+              generator: Any = None, in_order: Any = True, fetch_threads: Any = None) -> LoaderConfig:
         """Check every argument and their combinations; torch's names are merged into Gluon's.
 
         Raises:
@@ -136,6 +138,7 @@ class LoaderConfig:
         plan = _plan_batches(dataset, batch_size, shuffle, sampler, last_batch, batch_sampler, base_seed,
                              batchify_fn)
         thread = check_flag("thread_pool", thread_pool)
+        fetch = _check_fetch_threads(fetch_threads, workers, thread, plan.stream is not None)
         _warn_about_setup(workers, plan.sampler, plan.stream is not None)
         # Dispatch the next epoch's first batches before the caller asks only when this loader
         # built the sampler (a user's may change between epochs: DistributedSampler.set_epoch)
@@ -152,7 +155,8 @@ class LoaderConfig:
                    in_order=check_flag("in_order", in_order), stream_batches=plan.stream_batches,
                    persistent_workers=persistent,
                    mp_context=None if isinstance(multiprocessing_context, str) else multiprocessing_context,
-                   own_shuffle=bool(shuffle) and sampler is None and batch_sampler is None and plan.stream is None)
+                   own_shuffle=bool(shuffle) and sampler is None and batch_sampler is None and plan.stream is None,
+                   fetch_threads=fetch)
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:
@@ -182,6 +186,25 @@ def _context_name(context: Any) -> str | None:
         raise TypeError(f"multiprocessing_context must be a start method's name or a multiprocessing context, "
                         f"got {context!r}")
     return str(get())
+
+
+def _check_fetch_threads(value: Any, workers: int, thread_pool: bool, stream: bool) -> int | str | None:
+    """fetch_threads: None, a positive int or 'auto', for a map-style dataset on worker processes."""
+    if value is None:
+        return None
+    if value != "auto":
+        try:
+            value = check_positive_int("fetch_threads", value)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"fetch_threads must be a positive int, 'auto' or None, got {value!r}") from None
+    if workers == 0 or thread_pool:
+        raise ValueError(f"fetch_threads={value!r} fetches samples on threads inside each worker process; with "
+                         f"{'thread_pool=True' if thread_pool else 'num_workers=0'} there are none: "
+                         "use worker processes, or raise num_workers for thread workers")
+    if stream:
+        raise ValueError(f"fetch_threads={value!r} fetches a batch's samples by key, concurrently; an "
+                         "IterableDataset yields them one after the other: leave fetch_threads out")
+    return value  # type: ignore[no-any-return]
 
 
 def _check_worker_options(workers: int, start_method: Any, persistent_workers: bool, prefetch: Any,

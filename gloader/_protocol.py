@@ -63,6 +63,7 @@ class Loaded(NamedTuple):
     started: float  # time.monotonic() when the worker began and finished the batch: one clock
     finished: float  # for every process on the machine, so the caller can time the hops
     samples: int  # how many samples it holds (a stream's caller counts them against len(dataset))
+    fetch_threads: int = 0  # threads its samples were fetched with (fetch_threads; 0: the worker's own)
 
 
 class ShardEnd(NamedTuple):

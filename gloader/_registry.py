@@ -55,6 +55,7 @@ class Payload:
     parts: Any
     base_seed: int
     pickled: bool
+    fetch_threads: int | str | None = None  # the loader's fetch_threads (see _fetch.Fetcher)
 
 
 @dataclasses.dataclass
@@ -69,6 +70,8 @@ class Registration:
     error_context: str = ""
     from_file: bool = False
     torch_info: Any = None  # what torch.utils.data.get_worker_info() returns in a process worker
+    fetch_threads: int | str | None = None
+    fetcher: Any = None  # made at the first batch (see _fetch.Fetcher)
 
 
 _LOCK = threading.Lock()
@@ -143,7 +146,7 @@ def register_loader(loader_id: int, payload: Payload, worker_id: int, num_worker
     registration and reported by the loader's first task, so that a pool initializer never
     fails and respawns in a loop.
     """
-    registration = Registration(base_seed=payload.base_seed, from_file=from_file)
+    registration = Registration(base_seed=payload.base_seed, from_file=from_file, fetch_threads=payload.fetch_threads)
     seed = (payload.base_seed + worker_id) & ((1 << 63) - 1)
     stage = "dataset"
     try:
@@ -192,9 +195,12 @@ def set_torch_worker_info(info: Any) -> None:
 
 
 def unregister_loader(loader_id: int) -> None:
-    """Drop a loader's registration (and with it this worker's reference to its dataset)."""
+    """Drop a loader's registration (and with it this worker's reference to its dataset, and
+    its fetch threads)."""
     with _LOCK:
-        _LOADERS.pop(loader_id, None)
+        registration = _LOADERS.pop(loader_id, None)
+    if registration is not None and registration.fetcher is not None:
+        registration.fetcher.close()
 
 
 def lookup(loader_id: int) -> Registration | None:

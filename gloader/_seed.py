@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-__all__ = ["derive_batch_seed", "draw_base_seed", "preserved_global_rng", "seed_global_rng"]
+__all__ = ["derive_batch_seed", "derive_sample_seed", "draw_base_seed", "preserved_global_rng", "seed_global_rng"]
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -44,6 +44,13 @@ def derive_batch_seed(base_seed: int, epoch: int, batch_index: int) -> int:
     value = _mix64(base_seed & _MASK64)
     value = _mix64((value + (epoch & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64)
     value = _mix64((value + (batch_index & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64)
+    return value & _SEED_MASK
+
+
+def derive_sample_seed(batch_seed: int, position: int) -> int:
+    """Return the 63-bit seed of the sample at `position` in a batch (fetch_threads: each
+    sample's `get_worker_info()` has its own, whichever thread fetches it)."""
+    value = _mix64((batch_seed + 0x632BE59BD9B4E019 + (position & _MASK64)) & _MASK64)
     return value & _SEED_MASK
 
 

@@ -277,7 +277,8 @@ def execute(state: WorkerState, registration: Registration, loader_id: int, epoc
             if state.crosses_process:  # torch's get_worker_info() is process-wide: not for threads
                 _registry.set_torch_worker_info(registration.torch_info)
             return load_batch(registration, loader_id, epoch, work, space, state.writer,
-                              state.streams, state.worker_id, cursor)
+                              state.streams, state.worker_id, cursor,
+                              (state.worker_id, state.num_workers, seed, registration.dataset))
     except BaseException as exc:
         return state.failure(exc, traceback.format_exc(), "", batch_index, cursor.key)
     finally:

@@ -68,7 +68,8 @@ class _FromConfig:
 # arguments with no torch name, so a loader built again keeps them.
 _IN_VARS = ("dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "num_workers", "pin_memory",
             "timeout", "worker_init_fn", "prefetch_factor", "collate_fn", "generator", "persistent_workers",
-            "in_order", "pin_memory_device", "pin_device_id", "device", "seed", "thread_pool", "pool", "progress")
+            "in_order", "pin_memory_device", "pin_device_id", "device", "seed", "thread_pool", "pool", "progress",
+            "fetch_threads")
 
 
 class DataLoader(torch_data.DataLoader[_T_co]):
@@ -118,6 +119,13 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             batches themselves (samples, seeds) are the same. For a stream, a shard with
             nothing ready lets the others' batches go first. True (default): sampler order
             (for a stream, the shards take turns).
+        fetch_threads: fetch each batch's samples on this many threads inside each worker
+            process, for datasets whose samples wait (object storage, a network file system,
+            an HTTP service); 'auto' follows how much they wait. Opt-in: `__getitem__` must be
+            thread-safe. Each sample's `get_worker_info()` has its own seed and `rng`, the same
+            for any thread count; the process-wide generators (`random`, numpy's, torch's) are
+            seeded per batch and shared by the threads, so their draws are not reproducible.
+            None (default): samples are fetched one after the other.
         try_nopython: MXNet 2.0's switch to its C++ loader, accepted so Gluon 2.0 code runs
             unchanged: workers always run the Python pipeline (what MXNet falls back to for
             Python datasets and transforms), whatever its value.
@@ -145,7 +153,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                  collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool | None = None,
                  persistent_workers: bool | None = None, prefetch_factor: int | None = None,
                  multiprocessing_context: Any = None, generator: Any = None, in_order: bool = True,
-                 try_nopython: bool | None = None) -> None:
+                 fetch_threads: int | str | None = None, try_nopython: bool | None = None) -> None:
         check_flag("try_nopython", try_nopython, none_means=False)
         self._options = LoaderConfig.build(
             dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, last_batch=last_batch,
@@ -154,7 +162,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             device=device, worker_init_fn=worker_init_fn, seed=seed, start_method=start_method, pool=pool,
             progress=progress, collate_fn=collate_fn, drop_last=drop_last, persistent_workers=persistent_workers,
             prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context, generator=generator,
-            in_order=in_order)
+            in_order=in_order, fetch_threads=fetch_threads)
         config = self._options
         self._id = next(_LOADER_IDS)
         self._schedule = Schedule(config.batch_sampler, config.stream, config.base_seed, config.lookahead,
@@ -190,6 +198,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     persistent_workers = _FromConfig("persistent_workers", "As given (False by default). Workers persist either way; "
                                                            "True also keeps their copy of the dataset, unchanged.")
     in_order = _FromConfig("in_order", "Whether batches come in sampler order (False: a ready batch may go first).")
+    fetch_threads = _FromConfig("fetch_threads", "Threads each worker fetches a batch's samples with (None: one).")
     pin_device_id = _FromConfig("pin_device_id", "The CUDA device pinned memory is meant for.")
     device = _FromConfig("device", "The CUDA device batches are moved to (None: they stay on the host).")
     seed = _FromConfig("seed", "The seed given (None: drawn from torch's default generator).")
@@ -403,9 +412,13 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             (queued until a worker began it), `worker_fetch_s` (getting samples, transforms
             included), `worker_batchify_s`, `return_s` (the finished batch's trip back),
             `window_s` (finished, waiting for you to ask) and `handover_s` (turning it into
-            tensors here).
+            tensors here). With fetch_threads, also "fetch_threads": {worker id: threads its
+            latest batch was fetched with}.
         """
-        return self._stats.snapshot(self._engine.in_flight, self._engine.shared_memory_bytes())
+        snapshot = self._stats.snapshot(self._engine.in_flight, self._engine.shared_memory_bytes())
+        if self._options.fetch_threads is not None:
+            snapshot["fetch_threads"] = dict(self._engine.fetch_threads)
+        return snapshot
 
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes now running for this loader (empty before the first batch)."""
@@ -420,7 +433,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
 def _make_payload(config: LoaderConfig, schedule: Schedule, pickled: bool) -> Any:
     """What the workers register for this loader (see `_payload`)."""
-    return build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, pickled)
+    payload = build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, pickled)
+    payload.fetch_threads = config.fetch_threads
+    return payload
 
 
 class _LatestIterator:

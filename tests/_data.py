@@ -710,3 +710,69 @@ class OneLarge(gloader.Dataset):
 def first_sample(samples: list[Any]) -> Any:
     """A batchify function: the batch is its first sample."""
     return samples[0]
+
+
+class Draws(gloader.Dataset):
+    """Each sample: its index and a draw from `get_worker_info().rng` (reproducible draws)."""
+
+    def __init__(self, length: int = 64) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        info = gloader.get_worker_info()
+        return np.array([idx, info.rng.integers(1 << 30) if info is not None else -1], dtype=np.int64)
+
+
+class MeetsInPairs(gloader.Dataset):
+    """Each `__getitem__` waits at a barrier for another one running beside it (5 s at most):
+    it completes only when samples are fetched two at a time."""
+
+    def __init__(self, length: int = 16) -> None:
+        self.length = length
+        self._barrier = threading.Barrier(2, timeout=5.0)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        self._barrier.wait()
+        return np.array([idx], dtype=np.int64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"length": self.length}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["length"])  # type: ignore[misc]
+
+
+class Waits(gloader.Dataset):
+    """Each sample waits `seconds` (a read from remote storage), then computes next to nothing."""
+
+    def __init__(self, seconds: float, length: int = 512) -> None:
+        self.seconds, self.length = seconds, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        time.sleep(self.seconds)
+        return np.array([idx], dtype=np.int64)
+
+
+class Computes(gloader.Dataset):
+    """Each sample is pure-Python work, holding the GIL throughout."""
+
+    def __init__(self, length: int = 512) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        total = 0
+        for value in range(20_000):
+            total += value ^ idx
+        return np.array([idx, total], dtype=np.int64)

@@ -1,0 +1,68 @@
+"""fetch_threads: a batch's samples fetched concurrently inside each worker process."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from gloader import DataLoader
+from tests import _data
+from tests.conftest import take_all
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _epoch(**kwargs) -> torch.Tensor:
+    with DataLoader(_data.Draws(64), batch_size=8, shuffle=True, seed=7, **kwargs) as loader:
+        return torch.cat(list(loader))
+
+
+def test_samples_and_their_own_draws_are_the_same_for_any_thread_and_worker_count() -> None:
+    want = _epoch(num_workers=1, fetch_threads=1)
+    for kwargs in ({"num_workers": 2, "fetch_threads": 3}, {"num_workers": 2, "fetch_threads": "auto"},
+                   {"num_workers": 1, "fetch_threads": 8, "start_method": "spawn"}):
+        assert torch.equal(_epoch(**kwargs), want), kwargs
+    assert sorted(want[:, 0].tolist()) == list(range(64))
+    assert len(set(want[:, 1].tolist())) == 64  # each sample has its own generator, not the batch's
+
+
+def test_samples_are_fetched_concurrently() -> None:
+    # every sample waits for another one beside it: fetched one at a time, none would come
+    with DataLoader(_data.MeetsInPairs(16), batch_size=4, num_workers=1, fetch_threads=2) as loader:
+        assert torch.cat(list(loader)).flatten().tolist() == list(range(16))
+        assert loader.stats()["fetch_threads"] == {0: 2}
+
+
+def test_auto_adds_threads_for_samples_that_wait_and_not_for_samples_that_compute() -> None:
+    with DataLoader(_data.Waits(0.005, 256), batch_size=16, num_workers=1, fetch_threads="auto") as loader:
+        list(loader)
+        assert loader.stats()["fetch_threads"][0] >= 4
+    with DataLoader(_data.Computes(256), batch_size=16, num_workers=1, fetch_threads="auto") as loader:
+        list(loader)
+        assert loader.stats()["fetch_threads"][0] <= 2
+
+
+def test_a_failing_sample_fails_its_batch_naming_it_and_the_others_come() -> None:
+    with DataLoader(_data.RaisesAt(bad=13, length=32), batch_size=4, num_workers=2, fetch_threads=3) as loader:
+        got, errors = take_all(iter(loader), _data.CustomLookupError)
+    assert len(errors) == 1 and "sample 13 is corrupt" in str(errors[0]) and "13" in str(errors[0].__notes__)
+    assert sorted(torch.cat(got).flatten().tolist()) == [i for i in range(32) if not 12 <= i < 16]
+    assert threading.active_count() < 50  # the fetch threads live in the workers, not here
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"fetch_threads": 0, "num_workers": 1}, r"fetch_threads must be a positive int, 'auto' or None, got 0"),
+    ({"fetch_threads": "many", "num_workers": 1}, r"fetch_threads must be a positive int, 'auto' or None, got 'many'"),
+    ({"fetch_threads": 4}, r"fetch_threads=4 .* with num_workers=0 there are none"),
+    ({"fetch_threads": "auto", "num_workers": 2, "thread_pool": True}, r"with thread_pool=True there are none"),
+])
+def test_bad_fetch_threads_are_named(kwargs, message) -> None:
+    with pytest.raises((TypeError, ValueError), match=message):
+        DataLoader(np.arange(8), batch_size=2, **kwargs)
+
+
+def test_fetch_threads_with_a_stream_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"fetch_threads=2 .* an IterableDataset"):
+        DataLoader(_data.RangeStream(8), batch_size=2, num_workers=1, fetch_threads=2)
