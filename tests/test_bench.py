@@ -17,6 +17,7 @@ import torch
 from gloader import bench
 from gloader.bench import cli, peers
 from gloader.bench.device import report_device
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,7 +45,7 @@ def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
-    (["--workloads", "W1,W12"], r"--workloads takes W1 to W10; got \['W12'\]"),
+    (["--workloads", "W1,W12"], r"--workloads takes W1 to W11; got \['W12'\]"),
     (["--workloads", "W1", "--plot", "x.png"], "--plot needs W1, W2, W3 and W4"),
 ])
 def test_bad_arguments_exit_with_a_message(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -299,3 +300,27 @@ def test_readme_without_the_summary_markers_is_refused_before_the_run(tmp_path, 
     with pytest.raises(SystemExit) as info:
         bench.main(["--workloads", "W1", "--readme", str(readme)])
     assert info.value.code == 2 and "has no lines" in capsys.readouterr().err
+
+
+def test_the_remote_storage_workload_serves_every_sample_over_http_and_reports_each_loader(monkeypatch) -> None:
+    pytest.importorskip("PIL")
+    import psutil
+
+    from gloader.bench import remote
+
+    monkeypatch.setattr(remote, "_WORKER_COUNTS", (2,))
+    monkeypatch.setattr(remote, "_QUICK_SAMPLES", 96)
+    steps: list[str] = []
+    results = {"W11": remote.measure_remote(quick=True, rounds=1, step=steps.append)}
+    assert steps == [f"W11 round 1 {name}" for name in ("torch nw=2", "gloader nw=2", remote._AUTO)]
+    loaders = results["W11"]["loaders"]
+    assert all(got["samples_per_s"][0] > 0 and got["uss_mb"][0] > 0 for got in loaders.values())
+    assert loaders[remote._AUTO]["threads"][0] >= 1
+    lines = remote.report_remote(results)
+    assert any(line.startswith("| gloader nw=2 fetch_threads=auto |") and "per worker" in line for line in lines)
+    assert "the best torch configuration (torch nw=2)" in lines[-1]
+    def left() -> list[Any]:  # but the resource tracker and the fork server, which live with this process
+        return [child for child in psutil.Process().children(recursive=True)
+                if not any(helper in " ".join(child.cmdline()) for helper in ("resource_tracker", "forkserver"))]
+
+    assert wait_until(lambda: not left(), 10.0), [c.cmdline() for c in left()]  # the server and every worker are gone

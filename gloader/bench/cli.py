@@ -29,6 +29,9 @@ Workloads:
     W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data).
     W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench.memory`.
     W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench.device`.
+    W11 remote storage: JPEGs from a local HTTP server that answers after 5 ms; torch and
+        gloader with 2, 8 and 32 workers, and gloader with 2 and fetch_threads='auto'; see
+        `gloader.bench.remote`. Skipped when Pillow is not installed.
 
 Uses gloader's public API only, like any other user of it.
 """
@@ -66,6 +69,7 @@ from .datasets import (
     write_jpeg_folder,
 )
 from .peers import ComputeCeiling, InProcessLoop, TensorpackLoop, has_tensorpack
+from .remote import measure_remote, remote_loader_names, remote_summary, report_remote
 
 __all__ = ["main", "plot", "report", "run"]
 
@@ -240,7 +244,9 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         workloads = _workloads(size, scale, only, results, cleanup)
         with_latency = only is None or "W4" in only
         scaling = [w for w in workloads if w.name in _SCALING]
-        steps = sum(2 + len(_PEERS.get(w.name, ())) for w in workloads) + with_latency * 2
+        with_remote = only is None or "W11" in only
+        steps = sum(2 + len(_PEERS.get(w.name, ())) for w in workloads) + with_latency * 2 + \
+            with_remote * len(remote_loader_names())
         progress = _Progress(rounds * steps + len(scaling) * len(_SCALING_WORKERS) * 2 * rounds)
         datasets = {}
         for work in workloads:
@@ -251,6 +257,8 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         if scaling:
             results["scaling"] = {w.name: _measure_scaling(w, datasets[w.name], rounds, progress) for w in scaling}
         _run_memory(quick, only, results)
+        if with_remote:
+            results["W11"] = measure_remote(quick, rounds, progress.step)
         if only is not None and "W7" in only:
             from .device import measure_device_transfer
 
@@ -400,14 +408,14 @@ def report(results: dict[str, Any]) -> str:
     from .memory import report_memory
 
     if "W4" not in results:
-        return "\n".join(lines + report_memory(results) + report_device(results))
+        return "\n".join(lines + report_memory(results) + report_device(results) + report_remote(results))
     w4 = results["W4"]
     lines += ["", "| W4 first batch (W2 data) | gloader ms | torch ms | torch/gloader |", "|---|---|---|---|"]
     for key, label in (("epoch1_ms", "epoch 1 (starts workers)"), ("later_ms", "epochs 2-5 (median)")):
         ratio = [t / g for g, t in zip(w4[key]["gloader"], w4[key]["torch"])]
         lines.append(f"| {label} | {_summary(w4[key]['gloader'])} | {_summary(w4[key]['torch'])} | "
                      f"{_summary(ratio)}x |")
-    return "\n".join(lines + report_memory(results) + report_device(results))
+    return "\n".join(lines + report_memory(results) + report_device(results) + report_remote(results))
 
 
 SUMMARY_START = "<!-- benchmark summary: written by python -m gloader.bench --readme -->"
@@ -445,6 +453,9 @@ def summary_table(results: dict[str, Any]) -> str:
         later = results["W4"]["later_ms"]
         lines.append(f"| W4 first batch of epochs 2+ (W2 data), ms: gloader / torch | "
                      f"{statistics.median(later['gloader']):.2f} / {statistics.median(later['torch']):.2f} |")
+    remote = remote_summary(results)
+    if remote:
+        lines.append(f"| W11 HTTP store, 5 ms a request: {remote} |")
     return "\n".join(lines)
 
 
@@ -557,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small run, under a minute")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (needs W1-W4)")
-    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W10; W7 needs CUDA and runs only when named)")
+    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W11; W7 needs CUDA and runs only when named)")
     parser.add_argument("--markdown", metavar="PAGE.md", help="also write the report as a documentation page "
                         "(the machine, versions, date and command of this run included)")
     parser.add_argument("--readme", metavar="README.md", help="also put this run's summary table into that file, "
@@ -574,9 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     only = None
     if args.workloads:
         only = {w.strip().upper() for w in args.workloads.split(",")}
-        unknown = only - {f"W{number}" for number in range(1, 11)}
+        unknown = only - {f"W{number}" for number in range(1, 12)}
         if unknown:
-            parser.error(f"--workloads takes W1 to W10; got {sorted(unknown)}")
+            parser.error(f"--workloads takes W1 to W11; got {sorted(unknown)}")
         if args.plot and not {"W1", "W2", "W3", "W4"} <= only:
             parser.error("--plot needs W1, W2, W3 and W4")
     if args.readme:
