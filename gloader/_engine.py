@@ -31,14 +31,14 @@ The whole flow, with who runs each step::
 
 Thread workers and in-process loading share the caller's memory: no slots, the batch itself
 comes back, one batch to a task. In-process loading runs the same task function when the batch is collected.
-`_pool` owns worker processes and their supervision, `_options` the checked arguments,
-`loader` the public facade that builds the config, the schedule and this engine.
+`_backends` runs the tasks (in-process, or on a pool, with the slots), `_task` receives a
+task's answers, `_pool` owns worker processes and their supervision, `_options` the checked
+arguments, `loader` the public facade that builds the config, the schedule and this engine.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -46,10 +46,9 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
-from ._device import DEVICE_STAGE_HOLDS, PIN_THREAD_HOLDS, register_for_device
+from ._backends import Backend, OnPool, start
 from ._mppool import ATOMIC_TASK_BYTES
 from ._options import LoaderConfig
-from ._pool import PoolCore
 from ._protocol import (
     BatchTimeoutError,
     Job,
@@ -59,14 +58,12 @@ from ._protocol import (
     WorkerExitedError,
     WorkerFailure,
     decode_answer,
-    decode_answers,
     decode_keys,
 )
-from ._registry import Payload, Registration
-from ._seed import preserved_global_rng, seed_global_rng
+from ._registry import Payload
 from ._snapshot import Picture, first_difference, picture
-from ._transport import TASK_BYTES, Slot, SlotPool
-from ._worker import WorkerState, execute
+from ._task import Task
+from ._transport import TASK_BYTES, SlotPool
 
 __all__ = ["Collected", "Engine"]
 
@@ -78,24 +75,6 @@ logger = logging.getLogger(__name__)
 # Longer: fewer wake-ups; shorter: a dead worker is reported sooner (the error reaches the
 # caller within about this plus stopping the other workers, ~10 ms: under 60 ms at 0.04).
 _POLL_S = 0.04
-# Deadline for a loader leaving a shared pool to see its batches in flight finish, so that
-# nothing it owns is written after it has released its shared memory.
-_LEAVE_SHARED_POOL_S = 5.0
-# The same after a dead worker or a timeout: none. The dead worker's task never finishes, so
-# any wait was added whole to the error's latency (0.2 s made a shared pool's death-to-error
-# ~250 ms against an own pool's ~60), and what the others write later goes into slots already
-# retired, which nobody reads; their tasks are forgotten by the pool.
-_LEAVE_AFTER_FAILURE_S = 0.0
-# Free shared-memory slots a loader keeps mapped beyond those in flight and those the caller
-# holds. Two cover the batch being handed over and the one the caller just dropped. Larger:
-# fewer new slots after the caller holds a burst of batches; smaller: less idle memory.
-_SPARE_SLOTS = 2
-# Batches the caller holds whose slots keep their descriptor (so they can be lent again when
-# freed), beyond those in flight and the spares: a training loop holds one or two. Larger:
-# fewer new slots for a loop that keeps a few batches; smaller: fewer open descriptors.
-_HELD_WITH_DESCRIPTOR = 4
-
-
 # Small batches travel several to a task, so that the fixed cost of a task's round trip
 # (~0.1-0.2 ms of the caller's CPU) is shared: as many consecutive batches of one epoch as the
 # workers load in about _TASK_TARGET_S, at most _MAX_BATCHES_PER_TASK and TASK_BYTES (what the
@@ -130,213 +109,6 @@ class Collected(NamedTuple):
     samples: int  # 0 for a ShardEnd
 
 
-class _Deferred:
-    """In-process loading's stand-in for an AsyncResult: the task runs when it is collected."""
-
-    def __init__(self, run: Callable[[], Any]) -> None:
-        self._run = run
-
-    def ready(self) -> bool:
-        return True
-
-    def wait(self, timeout_s: float) -> None:
-        pass
-
-    def get(self, timeout_s: float) -> Any:
-        return self._run()
-
-
-@contextlib.contextmanager
-def _seeded_preserving_caller(seed: int) -> Iterator[None]:
-    """In-process loading with a seed: the batch's draws are seeded, the caller's restored."""
-    with preserved_global_rng():
-        seed_global_rng(seed)
-        yield
-
-
-@contextlib.contextmanager
-def _unseeded(seed: int) -> Iterator[None]:
-    yield
-
-
-class _InProcess:
-    """Runs tasks in the caller's thread with the loader's own registration."""
-
-    slots: SlotPool | None = None
-
-    def __init__(self, config: LoaderConfig, payload: Payload) -> None:
-        self._registration = Registration(dataset=payload.parts[0], batchify_fn=payload.parts[1])
-        self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
-
-    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> _Deferred:
-        loader_id, epoch, batches, _ = args
-        return _Deferred(lambda: [execute(self._state, self._registration, loader_id, epoch, number, seed, work, None)
-                                  for number, seed, work in batches])
-
-    def find_dead_worker(self) -> str | None:
-        return None
-
-    def worker_pids(self) -> list[int]:
-        return []
-
-    def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
-        pass
-
-
-class _OnPool:
-    """Runs tasks on a pool of workers: the loader's own, or a shared `WorkerPool`'s."""
-
-    def __init__(self, core: PoolCore, owns_core: bool, loader_id: int, slots: SlotPool | None) -> None:
-        self.core = core
-        self.owns_core = owns_core
-        self.slots = slots
-        self._loader_id = loader_id
-
-    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> Any:
-        return self.core.submit(args, on_ready)
-
-    def find_dead_worker(self) -> str | None:
-        return self.core.find_dead_worker(self._loader_id)
-
-    def worker_pids(self) -> list[int]:
-        return self.core.worker_pids()
-
-    def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
-        try:
-            if self.owns_core:
-                self.core.close(prompt)
-            elif not self.core.closed:  # a closed pool's workers are gone: nothing left to wait for
-                drain(_LEAVE_AFTER_FAILURE_S if prompt else _LEAVE_SHARED_POOL_S)
-            self.core.leave(self._loader_id)
-        finally:  # a second Ctrl-C while stopping still releases the shared memory
-            if self.slots is not None:
-                self.slots.close()
-
-
-def _start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], Payload]) -> _InProcess | _OnPool:
-    if config.num_workers == 0:
-        return _InProcess(config, make_payload(False))
-    import multiprocess
-
-    start_method = multiprocess.get_context(config.start_method).get_start_method()
-    if config.pool is not None:
-        core = config.pool.core
-        core.join(loader_id, make_payload(not config.thread_pool))
-    else:
-        pickled = not config.thread_pool and start_method != "fork"
-        core = PoolCore(config.num_workers, config.thread_pool, config.start_method,
-                        [(loader_id, make_payload(pickled))])
-    # With a CUDA device, slots are page-locked for it: the device stage copies a batch straight
-    # from its slot, with no copy into pinned memory first (see _device.register_for_device).
-    register = (functools.partial(register_for_device, config.device)
-                if config.device is not None and config.device_reads_slots else None)
-    # The pin thread and the device stage hold batches between the window and the caller, a
-    # number that swings as they fill and drain: spares cover it, or each swing retires slots
-    # the next one makes again (W2 batches with the pin thread: 23 new slots in 192 batches).
-    spare = _SPARE_SLOTS + (PIN_THREAD_HOLDS if config.pin_thread else 0) + \
-        (DEVICE_STAGE_HOLDS if config.device is not None else 0)
-    slots = None if config.thread_pool else SlotPool(spare, config.prefetch + spare + _HELD_WITH_DESCRIPTOR, register)
-    return _OnPool(core, config.pool is None, loader_id, slots)
-
-
-class _Task:
-    """Consecutive batches of one epoch dispatched as one task: their jobs, the slot lent to
-    them, the task's result, and its batches' answers as they arrive: a process worker
-    publishes each in the slot as soon as its batch is written (see `_transport`), and sends
-    what did not fit there by message."""
-
-    __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "arrivals", "parts", "done", "taken",
-                 "waited")
-
-    def __init__(self, jobs: list[Job], slot: Slot | None) -> None:
-        self.jobs = jobs
-        self.slot = slot
-        self.result: Any = None
-        self.submitted = time.monotonic()
-        # When the final result arrived, set by the pool's result thread through `mark_arrived`.
-        # A list, not an attribute: the pool keeps the callback, and a callback bound to the
-        # task would tie the task, its result and the pool into a cycle (pipes open until gc).
-        self.arrived = [0.0]
-        self.answers: dict[int, Any] = {}  # position in the task -> answer, received and not collected
-        self.arrivals: dict[int, float] = {}  # position -> when it arrived (0.0: not known, in-process)
-        self.parts = 0  # parts of the result (`result.chunks`) taken in
-        self.done = False  # the whole result is in
-        self.taken = 0  # batches collected (of a discarded task: collected or given back)
-        # (batch position, since when) the caller waits for: its deadline runs from there
-        self.waited: tuple[int, float] | None = None
-
-    @property
-    def epoch(self) -> int:
-        return self.jobs[0].epoch
-
-    @property
-    def next_job(self) -> Job:
-        return self.jobs[self.taken]
-
-    @property
-    def has_next(self) -> bool:
-        """The answer of the next batch to collect is in (see `receive`)."""
-        return self.taken in self.answers
-
-    @property
-    def mark_arrived(self) -> Callable[[Any], None]:
-        arrived = self.arrived
-
-        def mark(value: Any) -> None:
-            arrived[0] = time.monotonic()
-
-        return mark
-
-    def receive(self, slots: SlotPool | None) -> None:
-        """Take in the answers that arrived since the last look: published in the slot, sent
-        before the end, or in the final result; raises what the task raised (in-process
-        loading loads its batches here)."""
-        if self.done:
-            return
-        result = self.result
-        ready = result.ready()  # looked at first: once it is, every answer is in the slot or a message
-        if slots is not None and self.slot is not None:
-            now = time.monotonic()
-            for position, answer in slots.answers(self.slot):
-                self._add(position, answer, now)
-        chunks = getattr(result, "chunks", None)
-        while chunks is not None and self.parts < len(chunks):
-            when, data = chunks[self.parts]
-            self.parts += 1
-            for position, answer in decode_answers(data):
-                self._add(position, answer, when)
-        if ready:
-            value = result.get(0)
-            self.done = True
-            # process workers: (position, answer) of those not published; threads, in-process: all
-            for position, answer in decode_answers(value) if isinstance(value, bytes) else enumerate(value):
-                self._add(position, answer, self.arrived[0])
-
-    def _add(self, position: int, answer: Any, when: float) -> None:
-        self.answers[position] = answer
-        self.arrivals[position] = when
-
-    def wait(self, slots: SlotPool | None, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the next batch's answer; True once it is in."""
-        self.receive(slots)
-        if self.has_next:
-            return True
-        progress = getattr(self.result, "progress", None)
-        if progress is None:
-            self.result.wait(timeout_s)
-        else:
-            progress.clear()  # then one more look: what came meanwhile set it before the clear
-            self.receive(slots)
-            if self.has_next:
-                return True
-            progress.wait(timeout_s)
-        self.receive(slots)
-        if self.done and not self.has_next:
-            raise RuntimeError(f"internal error: the task of batches {self.jobs[0].number}-{self.jobs[-1].number} "
-                               f"ended without an answer for batch {self.next_job.number}")
-        return self.has_next
-
-
 class Engine:
     """Dispatches a loader's jobs into a window of `prefetch` and collects them in order (with
     `in_order=False`, as they finish).
@@ -355,9 +127,9 @@ class Engine:
         self._config = config
         self._loader_id = loader_id
         self._make_payload = make_payload
-        self._backend: _InProcess | _OnPool | None = None
-        self._tasks: collections.deque[_Task] = collections.deque()  # in flight, in dispatch order
-        self._discarded: list[_Task] = []  # no longer wanted; their slots come back as they finish
+        self._backend: Backend | None = None
+        self._tasks: collections.deque[Task] = collections.deque()  # in flight, in dispatch order
+        self._discarded: list[Task] = []  # no longer wanted; their slots come back as they finish
         self._held: Job | None = None  # taken from the schedule, of another epoch than the task being filled
         self._batch_cost_s = 0.0  # running estimates of a batch's worker time and bytes (0: unknown)
         self._batch_bytes = 0.0
@@ -379,15 +151,15 @@ class Engine:
         """How many shards a stream epoch has: one per worker (one in-process)."""
         return self._config.num_workers or 1
 
-    def _running(self) -> _InProcess | _OnPool:
+    def _running(self) -> Backend:
         if self._forked_from is not None:
             raise RuntimeError(f"this DataLoader's workers belong to process {self._forked_from}, from which this "
                                "process was forked; make a new DataLoader here")
         if self._backend is None:
             if self._closed:
                 raise RuntimeError("this DataLoader is closed; create a new one")
-            self._backend = _start(self._config, self._loader_id, self._make_payload)
-            if isinstance(self._backend, _OnPool) and not self._config.thread_pool \
+            self._backend = start(self._config, self._loader_id, self._make_payload)
+            if isinstance(self._backend, OnPool) and not self._config.thread_pool \
                     and not self._config.persistent_workers:  # torch's persistent workers keep their copy
                 self._dataset_picture = picture(self._config.dataset)
         return self._backend
@@ -403,7 +175,7 @@ class Engine:
     @property
     def owns_workers(self) -> bool:
         """Whether the workers are this loader's own (not a shared WorkerPool's)."""
-        return not isinstance(self._backend, _OnPool) or self._backend.owns_core
+        return not isinstance(self._backend, OnPool) or self._backend.owns_core
 
     def accept_dataset(self) -> None:
         """Compare later changes with the dataset as it is now (a shared pool's workers keep
@@ -452,7 +224,7 @@ class Engine:
             slot = None
             if slots is not None:
                 slot = slots.acquire(len(jobs), self._most_per_task() if per_task > 1 else 1)
-            task = _Task(jobs, slot)
+            task = Task(jobs, slot)
             batches = tuple((job.number, job.seed, job.work) for job in jobs)
             task.result = backend.submit((self._loader_id, first.epoch, batches, task.slot), task.mark_arrived)
             self._tasks.append(task)
@@ -520,7 +292,7 @@ class Engine:
                    "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - ready}
         return Collected(batch, timings, message.worker_id, message.samples)
 
-    def _finished_task(self, epoch: int) -> _Task | None:
+    def _finished_task(self, epoch: int) -> Task | None:
         """The first task of `epoch` in the window with an answer in (in_order=False)."""
         for task in self._tasks:
             if task.epoch != epoch:
@@ -529,14 +301,14 @@ class Engine:
                 return task
         return None
 
-    def _has_next(self, task: _Task) -> bool:
+    def _has_next(self, task: Task) -> bool:
         """Whether the answer of `task`'s next batch is in, without waiting."""
         if not task.has_next:
             with self._failing(task):
                 task.receive(self.slots)
         return task.has_next
 
-    def _await(self, task: _Task, give_up: Callable[[], bool] | None = None) -> bool:
+    def _await(self, task: Task, give_up: Callable[[], bool] | None = None) -> bool:
         """Wait for the answer of `task`'s next batch; on a failure the task leaves the window.
         False when `give_up()` turned true first (checked between waits)."""
         with self._failing(task):
@@ -544,7 +316,7 @@ class Engine:
             return self._wait(task, give_up)
 
     @contextlib.contextmanager
-    def _failing(self, task: _Task) -> Iterator[None]:
+    def _failing(self, task: Task) -> Iterator[None]:
         """A failure while receiving `task`'s answers takes the task out of the window; a dead
         worker or a timeout stops the workers too."""
         try:
@@ -553,7 +325,7 @@ class Engine:
             self._tasks.remove(task)
             self._discarded.append(task)
             backend = self._backend
-            if isinstance(exc, BatchTimeoutError) and isinstance(backend, _OnPool) and not backend.owns_core:
+            if isinstance(exc, BatchTimeoutError) and isinstance(backend, OnPool) and not backend.owns_core:
                 # A shared pool outlives this loader: a hung worker would hold its place forever.
                 backend.core.kill_worker_loading(self._loader_id, task.epoch, [job.number for job in task.jobs])
             self.stop_workers(prompt=True)
@@ -570,7 +342,7 @@ class Engine:
         self._batch_cost_s += (cost - self._batch_cost_s) * (_ESTIMATE_WEIGHT if self._batch_cost_s else 1.0)
         self._batch_bytes += (size - self._batch_bytes) * (_ESTIMATE_WEIGHT if self._batch_bytes else 1.0)
 
-    def _wait(self, task: _Task, give_up: Callable[[], bool] | None = None) -> bool:
+    def _wait(self, task: Task, give_up: Callable[[], bool] | None = None) -> bool:
         """Wait until the answer of `task`'s next batch is in (True) or `give_up()` is true
         (False). The timeout is the batch's: it runs from when the caller began waiting for it."""
         position = task.taken
@@ -592,7 +364,7 @@ class Engine:
                                         "hang in the dataset")
         return True
 
-    def _check_workers(self, task: _Task) -> None:
+    def _check_workers(self, task: Task) -> None:
         """Raise WorkerExitedError when a worker process has died since the last check."""
         dead = self._backend.find_dead_worker() if self._backend is not None else None
         if dead is not None:
@@ -604,7 +376,7 @@ class Engine:
 
         They leave the window at once, so other batches are dispatched without waiting for them.
         """
-        keep: collections.deque[_Task] = collections.deque()
+        keep: collections.deque[Task] = collections.deque()
         for task in self._tasks:
             (self._discarded if epoch is None or task.epoch == epoch else keep).append(task)
         self._tasks = keep
@@ -612,7 +384,7 @@ class Engine:
             self._held = None
         self._reap_discarded()
 
-    def _reap_discarded(self, backend: _InProcess | _OnPool | None = None) -> None:
+    def _reap_discarded(self, backend: Backend | None = None) -> None:
         """Free the slots of discarded tasks' uncollected batches once the task has finished;
         keep waiting for the others."""
         backend = backend or self._backend
@@ -669,7 +441,7 @@ class Engine:
             deadline = time.monotonic() + timeout_s
             for task in self._discarded:
                 task.result.wait(max(0.0, deadline - time.monotonic()))
-            if isinstance(backend, _OnPool):  # what did not finish by now never will (a dead worker's)
+            if isinstance(backend, OnPool):  # what did not finish by now never will (a dead worker's)
                 for task in self._discarded:
                     if not task.result.ready():
                         backend.core.forget(task.result)
@@ -697,7 +469,7 @@ class Engine:
         parent's. Drop them without closing anything (see `PoolCore.forget_after_fork`); using
         the loader here raises. In-process loading has nothing of the parent's and goes on."""
         backend = self._backend
-        if not isinstance(backend, _OnPool):
+        if not isinstance(backend, OnPool):
             return
         self._backend, self._held, self._discarded = None, None, []
         self._tasks.clear()
@@ -709,7 +481,7 @@ class Engine:
         """The loader's finalizer: close, and say so when workers were still running. Where
         warnings are errors (`python -W error`, pytest's `filterwarnings = error`) the warning
         is raised, so it is given only after the workers have stopped."""
-        running = isinstance(self._backend, _OnPool)
+        running = isinstance(self._backend, OnPool)
         self.stop_workers()
         if running:
             warnings.warn("a gloader DataLoader with running workers was garbage-collected without close(); "

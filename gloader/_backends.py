@@ -1,0 +1,149 @@
+"""Where a loader's tasks run: in the caller's thread (`InProcess`), or on a pool of
+workers, the loader's own or a shared `WorkerPool`'s (`OnPool`), with the shared-memory slots
+process workers write into. `start` picks one from the loader's config; the engine submits
+tasks to it and closes it. The whole flow is drawn in `_engine`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+from ._device import DEVICE_STAGE_HOLDS, PIN_THREAD_HOLDS, register_for_device
+from ._options import LoaderConfig
+from ._pool import PoolCore
+from ._registry import Payload, Registration
+from ._seed import preserved_global_rng, seed_global_rng
+from ._transport import SlotPool
+from ._worker import WorkerState, execute
+
+__all__ = ["Backend", "InProcess", "OnPool", "start"]
+
+# Deadline for a loader leaving a shared pool to see its batches in flight finish, so that
+# nothing it owns is written after it has released its shared memory.
+_LEAVE_SHARED_POOL_S = 5.0
+# The same after a dead worker or a timeout: none. The dead worker's task never finishes, so
+# any wait was added whole to the error's latency (0.2 s made a shared pool's death-to-error
+# ~250 ms against an own pool's ~60), and what the others write later goes into slots already
+# retired, which nobody reads; their tasks are forgotten by the pool.
+_LEAVE_AFTER_FAILURE_S = 0.0
+# Free shared-memory slots a loader keeps mapped beyond those in flight and those the caller
+# holds. Two cover the batch being handed over and the one the caller just dropped. Larger:
+# fewer new slots after the caller holds a burst of batches; smaller: less idle memory.
+_SPARE_SLOTS = 2
+# Batches the caller holds whose slots keep their descriptor (so they can be lent again when
+# freed), beyond those in flight and the spares: a training loop holds one or two. Larger:
+# fewer new slots for a loop that keeps a few batches; smaller: fewer open descriptors.
+_HELD_WITH_DESCRIPTOR = 4
+
+
+class _Deferred:
+    """In-process loading's stand-in for an AsyncResult: the task runs when it is collected."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self._run = run
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+    def get(self, timeout_s: float) -> Any:
+        return self._run()
+
+
+@contextlib.contextmanager
+def _seeded_preserving_caller(seed: int) -> Iterator[None]:
+    """In-process loading with a seed: the batch's draws are seeded, the caller's restored."""
+    with preserved_global_rng():
+        seed_global_rng(seed)
+        yield
+
+
+@contextlib.contextmanager
+def _unseeded(seed: int) -> Iterator[None]:
+    yield
+
+
+class InProcess:
+    """Runs tasks in the caller's thread with the loader's own registration."""
+
+    slots: SlotPool | None = None
+
+    def __init__(self, config: LoaderConfig, payload: Payload) -> None:
+        self._registration = Registration(dataset=payload.parts[0], batchify_fn=payload.parts[1])
+        self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
+
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> _Deferred:
+        loader_id, epoch, batches, _ = args
+        return _Deferred(lambda: [execute(self._state, self._registration, loader_id, epoch, number, seed, work, None)
+                                  for number, seed, work in batches])
+
+    def find_dead_worker(self) -> str | None:
+        return None
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
+        pass
+
+
+class OnPool:
+    """Runs tasks on a pool of workers: the loader's own, or a shared `WorkerPool`'s."""
+
+    def __init__(self, core: PoolCore, owns_core: bool, loader_id: int, slots: SlotPool | None) -> None:
+        self.core = core
+        self.owns_core = owns_core
+        self.slots = slots
+        self._loader_id = loader_id
+
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> Any:
+        return self.core.submit(args, on_ready)
+
+    def find_dead_worker(self) -> str | None:
+        return self.core.find_dead_worker(self._loader_id)
+
+    def worker_pids(self) -> list[int]:
+        return self.core.worker_pids()
+
+    def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
+        try:
+            if self.owns_core:
+                self.core.close(prompt)
+            elif not self.core.closed:  # a closed pool's workers are gone: nothing left to wait for
+                drain(_LEAVE_AFTER_FAILURE_S if prompt else _LEAVE_SHARED_POOL_S)
+            self.core.leave(self._loader_id)
+        finally:  # a second Ctrl-C while stopping still releases the shared memory
+            if self.slots is not None:
+                self.slots.close()
+
+
+def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], Payload]) -> Backend:
+    if config.num_workers == 0:
+        return InProcess(config, make_payload(False))
+    import multiprocess
+
+    start_method = multiprocess.get_context(config.start_method).get_start_method()
+    if config.pool is not None:
+        core = config.pool.core
+        core.join(loader_id, make_payload(not config.thread_pool))
+    else:
+        pickled = not config.thread_pool and start_method != "fork"
+        core = PoolCore(config.num_workers, config.thread_pool, config.start_method,
+                        [(loader_id, make_payload(pickled))])
+    # With a CUDA device, slots are page-locked for it: the device stage copies a batch straight
+    # from its slot, with no copy into pinned memory first (see _device.register_for_device).
+    register = (functools.partial(register_for_device, config.device)
+                if config.device is not None and config.device_reads_slots else None)
+    # The pin thread and the device stage hold batches between the window and the caller, a
+    # number that swings as they fill and drain: spares cover it, or each swing retires slots
+    # the next one makes again (W2 batches with the pin thread: 23 new slots in 192 batches).
+    spare = _SPARE_SLOTS + (PIN_THREAD_HOLDS if config.pin_thread else 0) + \
+        (DEVICE_STAGE_HOLDS if config.device is not None else 0)
+    slots = None if config.thread_pool else SlotPool(spare, config.prefetch + spare + _HELD_WITH_DESCRIPTOR, register)
+    return OnPool(core, config.pool is None, loader_id, slots)
+
+
+Backend = InProcess | OnPool

@@ -1,0 +1,109 @@
+"""A task in the engine's window: consecutive batches of one epoch dispatched together, and
+their answers as they arrive (see `_engine` for the whole flow)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from ._protocol import Job, decode_answers
+from ._transport import Slot, SlotPool
+
+__all__ = ["Task"]
+
+
+class Task:
+    """Consecutive batches of one epoch dispatched as one task: their jobs, the slot lent to
+    them, the task's result, and its batches' answers as they arrive: a process worker
+    publishes each in the slot as soon as its batch is written (see `_transport`), and sends
+    what did not fit there by message."""
+
+    __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "arrivals", "parts", "done", "taken",
+                 "waited")
+
+    def __init__(self, jobs: list[Job], slot: Slot | None) -> None:
+        self.jobs = jobs
+        self.slot = slot
+        self.result: Any = None
+        self.submitted = time.monotonic()
+        # When the final result arrived, set by the pool's result thread through `mark_arrived`.
+        # A list, not an attribute: the pool keeps the callback, and a callback bound to the
+        # task would tie the task, its result and the pool into a cycle (pipes open until gc).
+        self.arrived = [0.0]
+        self.answers: dict[int, Any] = {}  # position in the task -> answer, received and not collected
+        self.arrivals: dict[int, float] = {}  # position -> when it arrived (0.0: not known, in-process)
+        self.parts = 0  # parts of the result (`result.chunks`) taken in
+        self.done = False  # the whole result is in
+        self.taken = 0  # batches collected (of a discarded task: collected or given back)
+        # (batch position, since when) the caller waits for: its deadline runs from there
+        self.waited: tuple[int, float] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.jobs[0].epoch
+
+    @property
+    def next_job(self) -> Job:
+        return self.jobs[self.taken]
+
+    @property
+    def has_next(self) -> bool:
+        """The answer of the next batch to collect is in (see `receive`)."""
+        return self.taken in self.answers
+
+    @property
+    def mark_arrived(self) -> Callable[[Any], None]:
+        arrived = self.arrived
+
+        def mark(value: Any) -> None:
+            arrived[0] = time.monotonic()
+
+        return mark
+
+    def receive(self, slots: SlotPool | None) -> None:
+        """Take in the answers that arrived since the last look: published in the slot, sent
+        before the end, or in the final result; raises what the task raised (in-process
+        loading loads its batches here)."""
+        if self.done:
+            return
+        result = self.result
+        ready = result.ready()  # looked at first: once it is, every answer is in the slot or a message
+        if slots is not None and self.slot is not None:
+            now = time.monotonic()
+            for position, answer in slots.answers(self.slot):
+                self._add(position, answer, now)
+        chunks = getattr(result, "chunks", None)
+        while chunks is not None and self.parts < len(chunks):
+            when, data = chunks[self.parts]
+            self.parts += 1
+            for position, answer in decode_answers(data):
+                self._add(position, answer, when)
+        if ready:
+            value = result.get(0)
+            self.done = True
+            # process workers: (position, answer) of those not published; threads, in-process: all
+            for position, answer in decode_answers(value) if isinstance(value, bytes) else enumerate(value):
+                self._add(position, answer, self.arrived[0])
+
+    def _add(self, position: int, answer: Any, when: float) -> None:
+        self.answers[position] = answer
+        self.arrivals[position] = when
+
+    def wait(self, slots: SlotPool | None, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the next batch's answer; True once it is in."""
+        self.receive(slots)
+        if self.has_next:
+            return True
+        progress = getattr(self.result, "progress", None)
+        if progress is None:
+            self.result.wait(timeout_s)
+        else:
+            progress.clear()  # then one more look: what came meanwhile set it before the clear
+            self.receive(slots)
+            if self.has_next:
+                return True
+            progress.wait(timeout_s)
+        self.receive(slots)
+        if self.done and not self.has_next:
+            raise RuntimeError(f"internal error: the task of batches {self.jobs[0].number}-{self.jobs[-1].number} "
+                               f"ended without an answer for batch {self.next_job.number}")
+        return self.has_next
