@@ -16,6 +16,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ._admission import usable_cpus
 from ._checks import (
     check_flag,
     check_last_batch,
@@ -119,7 +120,7 @@ class LoaderConfig:
         if pool is not None:
             num_workers, thread_pool, start_method = _take_pool_settings(pool, num_workers, thread_pool,
                                                                          start_method)
-        workers = check_non_negative_int("num_workers", num_workers)
+        workers = _check_num_workers(num_workers)
         method = check_start_method(start_method)
         persistent = check_flag("persistent_workers", persistent_workers, none_means=False)
         _check_worker_options(workers, method, persistent, prefetch, prefetch_factor)
@@ -186,6 +187,17 @@ def _context_name(context: Any) -> str | None:
         raise TypeError(f"multiprocessing_context must be a start method's name or a multiprocessing context, "
                         f"got {context!r}")
     return str(get())
+
+
+def _check_num_workers(value: Any) -> int:
+    """num_workers: a non-negative int, or 'auto': one worker process per CPU this process may
+    use (picked when the loader is built; the count does not change while it runs yet)."""
+    if value == "auto":
+        return usable_cpus()
+    try:
+        return check_non_negative_int("num_workers", value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"num_workers must be a non-negative int or 'auto', got {value!r}") from None
 
 
 def _check_fetch_threads(value: Any, workers: int, thread_pool: bool, stream: bool) -> int | str | None:
@@ -306,7 +318,7 @@ def _take_pool_settings(pool: Any, num_workers: Any, thread_pool: Any,
         raise TypeError(f"pool must be a gloader.WorkerPool or None, got {type(pool).__name__}")
     if pool.closed:
         raise ValueError("pool= is a closed WorkerPool; create a new one (or close it after its loaders)")
-    if num_workers not in (0, pool.num_workers):
+    if num_workers not in (0, "auto", pool.num_workers):
         raise ValueError(f"num_workers={num_workers} conflicts with pool= ({pool.num_workers} workers); "
                          "leave num_workers out when passing a pool")
     if thread_pool and not pool.thread_pool:

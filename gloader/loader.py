@@ -88,7 +88,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             None means 'keep'.
         batch_sampler: yields lists of indices (excludes batch_size, shuffle, sampler, last_batch).
         batchify_fn: turns a list of samples into a batch; default: `default_batchify_fn`.
-        num_workers: worker processes (or threads); 0 loads in the calling thread.
+        num_workers: worker processes (or threads); 0 loads in the calling thread; 'auto':
+            one per CPU this process may use, picked when the loader is built (the attribute
+            then gives the count), which CPU-bound loading wants; add fetch_threads for samples
+            that wait.
         pin_memory: pin batches in page-locked memory (for faster copies to CUDA).
         pin_device_id: the CUDA device that pinned memory is meant for.
         prefetch: most tasks in flight; default 2 * num_workers. A task is one batch, or
@@ -145,7 +148,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool = False, sampler: Any = None,
                  last_batch: str | None = None, batch_sampler: Any = None,
-                 batchify_fn: Callable[[list[Any]], Any] | None = None, num_workers: int = 0,
+                 batchify_fn: Callable[[list[Any]], Any] | None = None, num_workers: int | str = 0,
                  pin_memory: bool = False, pin_device_id: int = 0, prefetch: int | None = None,
                  thread_pool: bool = False, timeout: float = 120, *, device: Any = None,
                  worker_init_fn: Callable[[int], None] | None = None, seed: int | None = None,

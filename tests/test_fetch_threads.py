@@ -66,3 +66,12 @@ def test_bad_fetch_threads_are_named(kwargs, message) -> None:
 def test_fetch_threads_with_a_stream_is_refused() -> None:
     with pytest.raises(ValueError, match=r"fetch_threads=2 .* an IterableDataset"):
         DataLoader(_data.RangeStream(8), batch_size=2, num_workers=1, fetch_threads=2)
+
+
+def test_num_workers_auto_starts_one_worker_process_per_usable_cpu() -> None:
+    import os
+
+    with DataLoader(np.arange(16), batch_size=4, num_workers="auto") as loader:
+        assert loader.num_workers == len(os.sched_getaffinity(0))
+        assert torch.cat(list(loader)).tolist() == list(range(16))
+        assert len(loader.worker_pids()) == loader.num_workers
