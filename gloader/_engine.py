@@ -107,6 +107,7 @@ class Collected(NamedTuple):
     timings: dict[str, float]
     worker_id: int
     samples: int  # 0 for a ShardEnd
+    shard_began: bool = False  # a stream's batch that began its worker's shard for the epoch
 
 
 class Engine:
@@ -290,7 +291,7 @@ class Engine:
         timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,
                    "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
                    "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - ready}
-        return Collected(batch, timings, message.worker_id, message.samples)
+        return Collected(batch, timings, message.worker_id, message.samples, message.shard_began)
 
     def _finished_task(self, epoch: int) -> Task | None:
         """The first task of `epoch` in the window with an answer in (in_order=False)."""

@@ -256,24 +256,26 @@ def _fetch_rest(load: Callable[[Any], Any], keys: list[Any], samples: list[Any],
 
 
 def _next_shard_samples(streams: dict[int, tuple[int, Any]], loader_id: int, epoch: int, dataset: Any,
-                        batch_size: int) -> list[Any] | None:
-    """The next samples of this worker's shard in `epoch`; None once it is exhausted.
+                        batch_size: int) -> tuple[list[Any] | None, bool]:
+    """The next samples of this worker's shard in `epoch` (None once it is exhausted), and
+    whether this call began the shard (a replacement for a dead worker begins it again).
 
     `streams` is the worker's own table: loader id -> (epoch, iterator, None when exhausted).
     """
     state = streams.get(loader_id)
-    if state is None or state[0] != epoch:
+    began = state is None or state[0] != epoch
+    if state is None or began:
         state = (epoch, iter(dataset))  # the dataset finds its shard through get_worker_info()
     stream = state[1]
     if stream is None:
-        return None
+        return None, began
     try:
         samples = list(itertools.islice(stream, batch_size))
     except BaseException:
         streams[loader_id] = (epoch, None)  # a generator that raised is finished
         raise
     streams[loader_id] = (epoch, stream if len(samples) == batch_size else None)
-    return samples or None
+    return samples or None, began
 
 
 def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: SlotSpace | None, writer: BatchWriter,
@@ -287,9 +289,10 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: 
     """
     started = time.monotonic()
     if isinstance(work, StreamRequest):
-        samples = _next_shard_samples(streams, loader_id, epoch, registration.dataset, work.batch_size)
-        if samples is None or (len(samples) < work.batch_size and not work.keep_last):
+        found, began = _next_shard_samples(streams, loader_id, epoch, registration.dataset, work.batch_size)
+        if found is None or (len(found) < work.batch_size and not work.keep_last):
             return ShardEnd(worker_id)
+        samples = found
     else:
         keys = decode_keys(work)
         dataset = registration.dataset
@@ -312,4 +315,5 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: 
     batch = writer.write(registration.batchify_fn, samples, space)
     finished = time.monotonic()
     threads = registration.fetcher.used if registration.fetcher is not None else 0
-    return Loaded(batch, fetched - started, finished - fetched, worker_id, started, finished, len(samples), threads)
+    return Loaded(batch, fetched - started, finished - fetched, worker_id, started, finished, len(samples), threads,
+                  isinstance(work, StreamRequest) and began)

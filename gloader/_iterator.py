@@ -16,7 +16,7 @@ from typing import Any
 from ._device import PinThread
 from ._engine import Collected, Engine
 from ._options import LoaderConfig
-from ._protocol import EPOCH_ENDING_ERRORS, BatchTimeoutError, ShardEnd
+from ._protocol import EPOCH_ENDING_ERRORS, BatchTimeoutError, ShardEnd, WorkerExitedError
 from ._schedule import Epoch, Schedule
 from ._stats import PipelineStats, ProgressBar
 
@@ -90,6 +90,7 @@ class _StreamBatches(_HostBatches):
                                                              for shard in range(engine.shards)}
         self._live = list(range(engine.shards))  # shards still taking turns, in turn order
         self._ended: set[int] = set()  # shards whose worker reported the end
+        self._begun: set[int] = set()  # shards that have sent a batch
         self._turn = 0  # index into _live
         self.samples_out = 0  # samples in the batches handed out so far
 
@@ -113,7 +114,10 @@ class _StreamBatches(_HostBatches):
                 self._ended.update(self._live)
                 continue
             done = max(got.worker_id, 0)  # in-process loading is shard 0
+            if got.shard_began and (done in self._begun or done in self._ended):
+                self._shard_restarted(done)
             if not isinstance(got.batch, ShardEnd):
+                self._begun.add(done)
                 self._waiting[done].append((got.batch, got.samples))
                 self._progress_at = time.monotonic()
             elif done not in self._ended:
@@ -128,6 +132,16 @@ class _StreamBatches(_HostBatches):
         batch, samples = self._waiting[shard].popleft()
         self.samples_out += samples
         return batch
+
+    def _shard_restarted(self, shard: int) -> None:
+        """A worker began a shard that had sent batches this epoch: the worker that served it
+        died (its death may have been reported to another loader of a shared pool) and its
+        replacement reads the shard from the start. Its samples would come twice: the epoch ends."""
+        self.ended = True
+        self._engine.discard(self._epoch.number)
+        raise WorkerExitedError(f"the gloader worker serving shard {shard} of stream epoch {self._epoch.number} died, "
+                                "and its replacement began the shard again; the epoch ends here, so that no sample "
+                                "comes twice, and the next epoch starts anew")
 
     def _no_progress(self, shard: int) -> None:
         self.ended = True

@@ -64,6 +64,7 @@ class Loaded(NamedTuple):
     finished: float  # for every process on the machine, so the caller can time the hops
     samples: int  # how many samples it holds (a stream's caller counts them against len(dataset))
     fetch_threads: int = 0  # threads its samples were fetched with (fetch_threads; 0: the worker's own)
+    shard_began: bool = False  # a stream's batch that began its worker's shard for the epoch
 
 
 class ShardEnd(NamedTuple):

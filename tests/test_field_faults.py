@@ -441,3 +441,22 @@ def test_workers_that_cannot_open_the_callers_shared_memory_fail_the_loader_once
         assert got == [] and len(errors) == 1  # once, not once per batch
         assert "not dumpable" in str(errors[0]) and "thread_pool=True" in str(errors[0])
         assert not loader.worker_pids()  # stopped: the next epoch starts on new workers
+
+
+def test_a_stream_on_a_shared_pool_never_reads_a_shard_twice_after_another_loader_was_told_of_the_death() -> None:
+    with WorkerPool(2) as pool, DataLoader(_data.RangeStream(400), batch_size=4, pool=pool) as stream, \
+            DataLoader(np.arange(8), batch_size=2, pool=pool) as other:
+        it = iter(stream)
+        served = [next(it) for _ in range(10)]  # both shards have begun
+        status = pool.core.status
+        assert wait_until(lambda: all(status.doing(pid) is None for pid in pool.worker_pids()), 5.0)  # idle
+        victim = pool.worker_pids()[0]
+        _kill_and_wait_for_replacement(pool.worker_pids, victim)
+        with pytest.raises(gloader.WorkerExitedError, match=f"pid {victim}"):
+            list(other)  # the death lost none of `other`'s work; it is told first, once
+        with pytest.raises(gloader.WorkerExitedError, match=r"shard \d of stream epoch 0 died.*no sample comes twice"):
+            for batch in it:
+                served.append(batch)
+        values = torch.cat(served).flatten().tolist()
+        assert len(values) == len(set(values))  # none twice
+        assert sorted(torch.cat(list(stream)).flatten().tolist()) == list(range(400))  # the next epoch is whole
