@@ -76,7 +76,7 @@ class InProcess:
         self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> _Deferred:
-        loader_id, epoch, batches, _ = args
+        loader_id, epoch, batches = args[:3]
         return _Deferred(lambda: [execute(self._state, self._registration, loader_id, epoch, number, seed, work, None)
                                   for number, seed, work in batches])
 

@@ -227,7 +227,11 @@ class Engine:
                 slot = slots.acquire(len(jobs), self._most_per_task() if per_task > 1 else 1)
             task = Task(jobs, slot)
             batches = tuple((job.number, job.seed, job.work) for job in jobs)
-            task.result = backend.submit((self._loader_id, first.epoch, batches, task.slot), task.mark_arrived)
+            args: tuple[Any, ...] = (self._loader_id, first.epoch, batches, task.slot)
+            if self._config.thread_pool:  # threads share this process: a task nobody collects is skipped
+                task.cancel = [False]
+                args += (task.cancel,)
+            task.result = backend.submit(args, task.mark_arrived)
             self._tasks.append(task)
 
     def collect(self, epoch: int) -> Collected | None:
@@ -379,11 +383,25 @@ class Engine:
         """
         keep: collections.deque[Task] = collections.deque()
         for task in self._tasks:
-            (self._discarded if epoch is None or task.epoch == epoch else keep).append(task)
+            if epoch is None or task.epoch == epoch:
+                _skip(task)
+                self._discarded.append(task)
+            else:
+                keep.append(task)
         self._tasks = keep
         if self._held is not None and (epoch is None or self._held.epoch == epoch):
             self._held = None
         self._reap_discarded()
+
+    def abandon(self, position: Any) -> None:
+        """The caller dropped an iterator mid-epoch (`position`: where it stood; the loader's
+        finalizer of the iterator calls this): thread workers skip the epoch's batches they
+        have not begun, which would otherwise go on drawing from the process's generators.
+        Only flags are set, whatever thread the collector runs in; the next iter() discards."""
+        if position.asked and not position.finished:
+            for task in list(self._tasks):
+                if task.epoch == position.epoch.number:
+                    _skip(task)
 
     def _reap_discarded(self, backend: Backend | None = None) -> None:
         """Free the slots of discarded tasks' uncollected batches once the task has finished;
@@ -434,6 +452,8 @@ class Engine:
         self._dataset_picture = None
         if backend is None:
             return
+        for task in self._tasks:
+            _skip(task)
         self._discarded.extend(self._tasks)  # freed below: by the drain, or with every slot at close
         self._tasks.clear()
         self._held = None  # its epoch ends with these workers
@@ -488,6 +508,12 @@ class Engine:
             warnings.warn("a gloader DataLoader with running workers was garbage-collected without close(); "
                           "use `with DataLoader(...) as loader:` or call loader.close()", ResourceWarning,
                           stacklevel=2)
+
+
+def _skip(task: Task) -> None:
+    """Have the thread worker skip the batches of `task` it has not begun (nobody will collect them)."""
+    if task.cancel is not None:
+        task.cancel[0] = True
 
 
 def _describe_keys(job: Job) -> str:

@@ -20,7 +20,7 @@ from ._protocol import EPOCH_ENDING_ERRORS, BatchTimeoutError, ShardEnd, WorkerE
 from ._schedule import Epoch, Schedule
 from ._stats import PipelineStats, ProgressBar
 
-__all__ = ["EpochIterator"]
+__all__ = ["EpochIterator", "Position"]
 
 
 class _HostBatches:
@@ -155,6 +155,19 @@ class _StreamBatches(_HostBatches):
 _END = object()
 
 
+class Position:
+    """Where an epoch iterator stands, kept apart from it so that the loader can answer for it
+    (state_dict) without keeping it alive: an iterator the caller dropped mid-epoch is noticed."""
+
+    __slots__ = ("epoch", "yielded", "finished", "asked")
+
+    def __init__(self, epoch: Epoch) -> None:
+        self.epoch = epoch
+        self.yielded = epoch.skipped  # batches that reached the caller, a resume's skip included
+        self.finished = False  # the caller reached the epoch's end
+        self.asked = False  # next() was called (a batch or an error was handed over)
+
+
 class EpochIterator:
     """Iterates one epoch; with a device, copies one batch ahead of the caller.
 
@@ -165,9 +178,7 @@ class EpochIterator:
     def __init__(self, engine: Engine, schedule: Schedule, epoch: Epoch, stats: PipelineStats,
                  config: LoaderConfig, device: Any) -> None:
         self.epoch = epoch
-        self.yielded = epoch.skipped
-        self.finished = False  # the caller reached the epoch's end
-        self._asked = False  # next() was called (a batch or an error was handed over)
+        self.position = Position(epoch)
         self._engine = engine
         self._stats = stats
         self._device = device
@@ -187,6 +198,22 @@ class EpochIterator:
     def __iter__(self) -> EpochIterator:
         return self
 
+    @property
+    def yielded(self) -> int:
+        return self.position.yielded
+
+    @yielded.setter
+    def yielded(self, value: int) -> None:
+        self.position.yielded = value
+
+    @property
+    def finished(self) -> bool:
+        return self.position.finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self.position.finished = value
+
     def __len__(self) -> int:
         if self.epoch.length is None:
             raise TypeError("this epoch has no length (an IterableDataset, or a batch sampler without __len__)")
@@ -203,7 +230,7 @@ class EpochIterator:
                                "iterating one loader need two loaders)")
         if self.finished:
             raise StopIteration
-        self._asked = True
+        self.position.asked = True
         asked = time.perf_counter()
         try:
             batch = self._next_batch()
@@ -271,7 +298,7 @@ class EpochIterator:
     @property
     def untouched(self) -> bool:
         """Nothing of the epoch was taken yet (an iterator made and dropped, as Lightning's probe)."""
-        return (not self._asked and not self.finished and self._pinner is None and self._host.collected == 0
+        return (not self.position.asked and not self.finished and self._pinner is None and self._host.collected == 0
                 and not self._host.ended)
 
     def stop(self, reason: str, keep_epoch: bool = False) -> None:

@@ -18,7 +18,7 @@ class Task:
     what did not fit there by message."""
 
     __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "arrivals", "parts", "done", "taken",
-                 "waited")
+                 "waited", "cancel")
 
     def __init__(self, jobs: list[Job], slot: Slot | None) -> None:
         self.jobs = jobs
@@ -36,6 +36,9 @@ class Task:
         self.taken = 0  # batches collected (of a discarded task: collected or given back)
         # (batch position, since when) the caller waits for: its deadline runs from there
         self.waited: tuple[int, float] | None = None
+        # Thread workers: set to [True] when nobody will collect the task; its batches not yet
+        # begun are skipped (see _worker.run_task). None for process workers.
+        self.cancel: list[bool] | None = None
 
     @property
     def epoch(self) -> int:

@@ -300,7 +300,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_drop_inherited_thread_state)
 
 
-def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ...], slot: Slot | None) -> Any:
+def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ...], slot: Slot | None,
+             cancel: list[bool] | None = None) -> Any:
     """The pool's task: load one or more consecutive batches of one epoch in this worker.
 
     Args:
@@ -309,6 +310,8 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
             `_protocol.encode_keys`, or a `StreamRequest`).
         slot: the shared-memory slot the caller lent for the task's batches, which are
             written into it one after the other (None: none yet).
+        cancel: thread workers: the caller sets `cancel[0]` when nobody will collect the
+            task; batches not begun by then are skipped (answered with None).
 
     Returns:
         A list of answers, one per batch (`Loaded`, `ShardEnd` or `WorkerFailure`). Process
@@ -336,6 +339,9 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
     admission = state.admission.task(isinstance(batches[0][2], StreamRequest)) if state.admission else _ADMITTED
     with admission:
         for position, (batch_index, seed, work) in enumerate(batches):
+            if cancel is not None and cancel[0]:
+                answers.append(None)
+                continue
             if registration is None:
                 exc = RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its "
                                    "pool was started without it")

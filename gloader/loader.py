@@ -19,7 +19,7 @@ from . import _pool
 from ._checks import check_flag
 from ._device import DevicePipeline, warn_if_cannot_pin
 from ._engine import Engine
-from ._iterator import EpochIterator
+from ._iterator import EpochIterator, Position
 from ._options import LoaderConfig
 from ._payload import build_payload
 from ._pool import WorkerPool
@@ -177,7 +177,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self._finalizer = weakref.finalize(self, _close_unreferenced, self._engine, self._latest)
         self._device = DevicePipeline(config.device) if config.device is not None else None
         self._stats = PipelineStats()
-        self._epoch_iter: EpochIterator | None = None
+        # The current iterator, held weakly (an iterator the caller drops mid-epoch is noticed,
+        # see Engine.abandon), and where it stands, which outlives it (state_dict).
+        self._iter_ref: weakref.ref[EpochIterator] | None = None
+        self._position: Position | None = None
         self._reported_samples: int | None = None  # a stream's len(dataset), once len(loader) was taken
         self._closed = False
         if config.pin_memory:
@@ -254,20 +257,28 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         if self._closed:
             raise RuntimeError("this DataLoader is closed; create a new one")
         self._draw_as_torch_does()
-        previous = self._epoch_iter
+        previous, position = self._epoch_iter, self._position
         if previous is not None and previous.untouched:
             previous.stop("a newer iter(loader)", keep_epoch=True)
             epoch = previous.epoch  # a probe does not use up an epoch; its batches in flight serve on
+        elif previous is None and position is not None and not position.asked and not position.finished:
+            epoch = position.epoch  # a probe dropped before use: the same
         else:
             self._end_iterator("a newer iter(loader)")
             self._follow_dataset_changes()
             self._redraw_stale_lookahead()
             epoch = self._schedule.open()
-        self._epoch_iter = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options,
-                                       self._device)
-        self._latest.ref = weakref.ref(self._epoch_iter)
-        self._epoch_iter.reported_samples = self._reported_samples
-        return self._epoch_iter
+        iterator = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options, self._device)
+        self._iter_ref = self._latest.ref = weakref.ref(iterator)
+        self._position = iterator.position
+        weakref.finalize(iterator, self._engine.abandon, iterator.position)
+        iterator.reported_samples = self._reported_samples
+        return iterator
+
+    @property
+    def _epoch_iter(self) -> EpochIterator | None:
+        """The current iterator while the caller holds it."""
+        return self._iter_ref() if self._iter_ref is not None else None
 
     def _follow_dataset_changes(self) -> None:
         """Let the epoch about to start see changes the caller made to the dataset since the
@@ -316,12 +327,15 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             self._schedule.redraw_upcoming()
 
     def _end_iterator(self, reason: str) -> None:
-        if self._epoch_iter is not None:
-            self._epoch_iter.stop(reason)
+        iterator, position = self._epoch_iter, self._position
+        if iterator is not None:
+            iterator.stop(reason)
+        elif position is not None and not position.finished and position.asked:
+            self._engine.discard(position.epoch.number)  # dropped mid-epoch: its batches in flight go
 
     def _served(self) -> tuple[Any, int, bool]:
-        it = self._epoch_iter
-        return (None, 0, False) if it is None else (it.epoch, it.yielded, it.finished)
+        position = self._position
+        return (None, 0, False) if position is None else (position.epoch, position.yielded, position.finished)
 
     def __len__(self) -> int:
         if self._options.stream is not None:
@@ -332,7 +346,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             if self._epoch_iter is not None and not self._epoch_iter.finished:
                 self._epoch_iter.reported_samples = self._reported_samples
             return self._options.stream_batches
-        if self._epoch_iter is None or self._epoch_iter.finished:
+        if self._position is None or self._position.finished:
             self._redraw_stale_lookahead()  # between epochs: the next one's length as the dataset is now
         length = self._schedule.length(self._served()[0], self._served()[2])
         if length is None:
@@ -371,7 +385,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 impossible value (naming the field).
         """
         self._end_iterator("load_state_dict")
-        self._epoch_iter = None
+        self._iter_ref, self._position = None, None
         self._engine.discard()
         self._schedule.load_state_dict(state)
 

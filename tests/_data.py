@@ -776,3 +776,22 @@ class Computes(gloader.Dataset):
         for value in range(20_000):
             total += value ^ idx
         return np.array([idx, total], dtype=np.int64)
+
+
+class GatedLoads(gloader.Dataset):
+    """Records every index it loads; indices from `gated` on wait for `gate` (an Event; 10 s
+    at most) first. For thread workers, which share these objects with the test."""
+
+    def __init__(self, length: int, gated: int) -> None:
+        self.length, self.gated = length, gated
+        self.gate = threading.Event()
+        self.loaded: list[int] = []
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx >= self.gated:
+            self.gate.wait(10.0)
+        self.loaded.append(idx)
+        return np.array([idx], dtype=np.int64)

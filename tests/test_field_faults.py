@@ -460,3 +460,22 @@ def test_a_stream_on_a_shared_pool_never_reads_a_shard_twice_after_another_loade
         values = torch.cat(served).flatten().tolist()
         assert len(values) == len(set(values))  # none twice
         assert sorted(torch.cat(list(stream)).flatten().tolist()) == list(range(400))  # the next epoch is whole
+
+
+def test_an_iterator_dropped_mid_epoch_on_thread_workers_stops_its_batches_not_begun() -> None:
+    import gc
+
+    dataset = _data.GatedLoads(64, gated=2)
+    with DataLoader(dataset, batch_size=1, num_workers=2, thread_pool=True, prefetch=6) as loader:
+        it = iter(loader)
+        assert [int(next(it)) for _ in range(2)] == [0, 1]  # batches 2-7 in flight: 2 begun (at the gate), 4 queued
+        tasks = list(loader._engine._tasks)
+        assert len(tasks) == 6
+        del it  # an early break: the caller drops the iterator
+        gc.collect()
+        dataset.gate.set()
+        assert wait_until(lambda: all(task.result.ready() for task in tasks), 10.0)
+        assert sorted(dataset.loaded) == [0, 1, 2, 3]  # the queued ones were skipped, not loaded
+        state = loader.state_dict()
+        assert (state["epoch"], state["batches_yielded"]) == (0, 2)  # still answered for
+        assert [int(b) for b in loader] == list(range(64))  # the next epoch is whole
