@@ -16,8 +16,10 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_TASKS_CLOSED", "ProcessLock", "disk_full", "forget_task", "make_pool_class", "on_result_sent",
-           "on_task_taken", "on_task_wanted", "send_partial"]
+__all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_TASKS_CLOSED", "ProcessLock", "disk_full", "forget_task",
+           "forget_pool_after_fork", "make_pool_class", "make_thread_pool", "on_result_sent", "on_task_taken",
+           "on_task_wanted", "pool_running", "pool_workers", "release_pool_files", "send_partial",
+           "stop_maintenance"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
@@ -310,6 +312,62 @@ def forget_task(pool: Any, result: Any) -> None:
     workers running after `close()` (no stop sentinels), so closing waited its full second.
     A result that comes after all is dropped by the pool (it ignores unknown jobs)."""
     pool._cache.pop(result._job, None)
+
+
+# What gloader asks of a running pool (its own process pool, or multiprocess's ThreadPool),
+# here so that multiprocess's private names stay in this module.
+
+def make_thread_pool(workers: int, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> Any:
+    """multiprocess's ThreadPool of `workers` threads."""
+    from multiprocess.pool import ThreadPool
+
+    return ThreadPool(workers, initializer=initializer, initargs=initargs)
+
+
+def pool_running(pool: Any) -> bool:
+    """Neither closed nor terminated (multiprocess terminates pools at interpreter exit)."""
+    from multiprocess.pool import RUN
+
+    return bool(pool._state == RUN)
+
+
+def pool_workers(pool: Any) -> list[Any]:
+    """The pool's current worker processes (threads for a ThreadPool)."""
+    return list(pool._pool)
+
+
+def stop_maintenance(pool: Any, timeout_s: float) -> bool:
+    """Stop the pool's maintenance thread, which replaces workers that exit; True once it has."""
+    from multiprocess.pool import TERMINATE
+
+    pool._worker_handler._state = TERMINATE
+    pool._change_notifier.put(None)  # it sleeps until notified
+    pool._worker_handler.join(timeout_s)
+    return not pool._worker_handler.is_alive()
+
+
+def release_pool_files(pool: Any, processes: bool) -> None:
+    """Close a stopped pool's pipes and locks now, not when its reference cycles are collected."""
+    pool._change_notifier.close()
+    if processes:
+        pool._inqueue.release()
+        pool._outqueue.release()
+
+
+def forget_pool_after_fork(pool: Any, processes: bool) -> None:
+    """In a process forked from the pool's: neither stop its workers (the parent's) at exit
+    nor let its finalizer warn or wake the parent's maintenance thread."""
+    from multiprocess import process
+    from multiprocess.pool import CLOSE
+
+    terminate = getattr(pool, "_terminate", None)
+    if terminate is not None:
+        terminate.cancel()
+    children = getattr(process, "_children", None)
+    if children is not None and processes:
+        for worker in list(pool._pool):
+            children.discard(worker)
+    pool._state = CLOSE
 
 
 def _make_queue_class() -> Any:

@@ -25,7 +25,20 @@ from typing import Any, Callable, Iterator
 
 from ._admission import usable_cpus
 from ._checks import check_flag, check_positive_int, check_start_method
-from ._mppool import EXIT_RESULTS_CLOSED, EXIT_TASKS_CLOSED, ProcessLock, disk_full, forget_task, make_pool_class
+from ._mppool import (
+    EXIT_RESULTS_CLOSED,
+    EXIT_TASKS_CLOSED,
+    ProcessLock,
+    disk_full,
+    forget_pool_after_fork,
+    forget_task,
+    make_pool_class,
+    make_thread_pool,
+    pool_running,
+    pool_workers,
+    release_pool_files,
+    stop_maintenance,
+)
 from ._pooldir import PoolDirectory
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
@@ -157,10 +170,7 @@ class PoolCore:
                                  payload_dir=self.payload_dir, generation=ctx.Value("i", 0, lock=False),
                                  permits=self._permits)
             if is_thread:
-                from multiprocess.pool import ThreadPool
-
-                self.pool: Any = ThreadPool(num_workers, initializer=initialize_thread_worker,
-                                            initargs=(self.spec, registrations))
+                self.pool: Any = make_thread_pool(num_workers, initialize_thread_worker, (self.spec, registrations))
             else:
                 # SIGINT blocked in this thread while the pool starts: the workers (and the pool's
                 # threads, hence the workers they start later) inherit the mask, so a Ctrl-C while a
@@ -191,13 +201,11 @@ class PoolCore:
     @property
     def closed(self) -> bool:
         """Closed by us, or terminated by multiprocess (at interpreter exit)."""
-        from multiprocess.pool import RUN
-
-        return self._closed or self.pool._state != RUN
+        return self._closed or not pool_running(self.pool)
 
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes (empty for threads)."""
-        return [] if self.is_thread else [p.pid for p in list(self.pool._pool)]
+        return [] if self.is_thread else [p.pid for p in pool_workers(self.pool)]
 
     def find_dead_worker(self, loader_id: int | None = None) -> str | None:
         """Describe a worker process that has died, once, to the loader it concerns; or None.
@@ -220,7 +228,7 @@ class PoolCore:
 
     def _notice_deaths(self) -> None:
         # Every process the pool starts, from its own record: a replacement that died before
-        # this look is gone from `pool._pool` already, and would be missed there.
+        # this look is gone from the pool's list of workers already, and would be missed there.
         started = self.pool.started
         while started:
             self._watched.append(started.popleft())
@@ -231,7 +239,8 @@ class PoolCore:
         self._watched = alive
         # Ended workers' sentinels are closed once the pool's maintenance thread has let go of
         # them (a shared pool outlives many deaths), the rest with the pool.
-        ended = [p for p in self._ended if p in self.pool._pool]
+        current = pool_workers(self.pool)
+        ended = [p for p in self._ended if p in current]
         for process in self._ended:
             if process not in ended:
                 process.close()
@@ -259,7 +268,7 @@ class PoolCore:
         would hold a place forever); the pool starts a replacement. Returns its pid, or None."""
         if self.status is None:
             return None
-        for process in list(self.pool._pool):
+        for process in pool_workers(self.pool):
             doing = self.status.doing(process.pid)
             if doing is not None and doing[:2] == (loader_id, epoch) and doing[2] in batch_indices:
                 batch_index = doing[2]
@@ -342,21 +351,10 @@ class PoolCore:
         pool: its workers are the parent's. Mark it closed so that nothing here stops them,
         neither `close()` nor, at this process's exit, the pool's own finalizer or multiprocess's
         exit handler, which terminates every daemonic child it knows of (in the parent's table)."""
-        from multiprocess import process
-        from multiprocess.pool import CLOSE
-
         self._closed = True
         pool = getattr(self, "pool", None)  # None: forked while the pool was being made
-        if pool is None:
-            return
-        terminate = getattr(pool, "_terminate", None)
-        if terminate is not None:
-            terminate.cancel()
-        children = getattr(process, "_children", None)
-        if children is not None and not self.is_thread:
-            for worker in list(pool._pool):
-                children.discard(worker)
-        pool._state = CLOSE  # its __del__ neither warns nor wakes the parent's maintenance thread
+        if pool is not None:
+            forget_pool_after_fork(pool, processes=not self.is_thread)
 
     def _close_files(self) -> None:
         for lock in (self._id_lock, *self._permits):
@@ -368,9 +366,10 @@ class PoolCore:
         pool = self.pool
         pool.close()
         deadline = time.monotonic() + _ASK_S + _TERMINATE_S
-        for thread in list(pool._pool):
+        threads = pool_workers(pool)
+        for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        busy = [t.name for t in pool._pool if t.is_alive()]
+        busy = [t.name for t in threads if t.is_alive()]
         if busy:
             logger.warning("gloader thread workers %s are still running user code after %.1f s; "
                            "they are daemon threads and end with the interpreter", busy, _ASK_S + _TERMINATE_S)
@@ -379,10 +378,10 @@ class PoolCore:
     def _close_processes(self, prompt: bool) -> None:
         pool = self.pool
         pool.close()  # ask: each idle worker takes a stop sentinel and exits
-        processes = list(pool._pool)
+        processes = pool_workers(pool)
         if prompt or not _join_all(processes, _ASK_S):
             self._stop_maintenance()
-            alive = [p for p in set(processes) | set(pool._pool) if p.exitcode is None]
+            alive = [p for p in set(processes) | set(pool_workers(pool)) if p.exitcode is None]
             if prompt:
                 logger.warning("gloader workers %s: terminating them after a failed batch (a dead worker or "
                                "a timeout)", [p.pid for p in alive])
@@ -410,13 +409,7 @@ class PoolCore:
         task queue's read lock, on which `pool.terminate()` then blocks. Waking it is needed:
         it sleeps until notified.
         """
-        from multiprocess.pool import TERMINATE
-
-        pool = self.pool
-        pool._worker_handler._state = TERMINATE
-        pool._change_notifier.put(None)
-        pool._worker_handler.join(_POOL_THREADS_S)
-        if pool._worker_handler.is_alive():
+        if not stop_maintenance(self.pool, _POOL_THREADS_S):
             logger.warning("the pool's maintenance thread did not stop within %.1f s", _POOL_THREADS_S)
 
     def _stop_pool_threads(self) -> None:
@@ -429,12 +422,10 @@ class PoolCore:
         # The pipe that woke the maintenance thread, which has stopped: closed now, not when the
         # pool object is collected, which an exception's traceback (kept by a notebook) can delay.
         # The same for the queues' ends and locks and the ended workers' sentinels.
-        self.pool._change_notifier.close()
+        release_pool_files(self.pool, processes=not self.is_thread)
         if not self.is_thread:
-            self.pool._inqueue.release()
-            self.pool._outqueue.release()
             pool = self.pool
-            for process in {*self._ended, *self._watched, *pool.started, *pool._pool}:
+            for process in {*self._ended, *self._watched, *pool.started, *pool_workers(pool)}:
                 if process.exitcode is not None:
                     process.close()
 
