@@ -289,7 +289,8 @@ class Engine:
         if message.fetch_threads:
             self.fetch_threads[message.worker_id] = message.fetch_threads
         if slots is not None:
-            self._estimate(message, batch[2])  # the handle's bytes used
+            _, _, size, _, _ = batch  # a Handle
+            self._estimate(message, size)
             batch = slots.rebuild(slot, batch)
         arrived = arrival or message.finished  # in-process loading: no trip back
         timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,

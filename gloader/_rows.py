@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._math import round_up
-from ._transport import _ALIGN_BYTES, _HEADER_BYTES, SlotMaps, SlotSpace, _encode, _tensor_at
+from ._transport import _ALIGN_BYTES, _HEADER_BYTES, Handle, SlotMaps, SlotSpace, _encode, _tensor_at
 from ._tree import Leaf, as_torch_dtype
 from .batchify import _plan_scalars
 
@@ -162,7 +162,7 @@ def load_rows(load: Callable[[Any], Any], keys: list[Any], space: SlotSpace | No
     return _seal(layout, count, space, maps, slot), []
 
 
-def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: Any) -> tuple[Any, ...]:
+def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: Any) -> Handle:
     """Write the number fields after the arrays and return the batch's handle."""
     offsets: dict[int, int] = {}
     leaves: list[Leaf] = []
