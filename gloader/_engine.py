@@ -47,7 +47,6 @@ import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
 from ._backends import Backend, OnPool, start
-from ._mppool import ATOMIC_TASK_BYTES
 from ._options import LoaderConfig
 from ._protocol import (
     BatchTimeoutError,
@@ -61,9 +60,10 @@ from ._protocol import (
     decode_keys,
 )
 from ._registry import Payload
+from ._sizing import TASK_KEY_BYTES, TaskSizer, key_bytes
 from ._snapshot import Picture, first_difference, picture
 from ._task import Task
-from ._transport import TASK_BYTES, SlotPool
+from ._transport import SlotPool
 
 __all__ = ["Collected", "Engine"]
 
@@ -75,30 +75,6 @@ logger = logging.getLogger(__name__)
 # Longer: fewer wake-ups; shorter: a dead worker is reported sooner (the error reaches the
 # caller within about this plus stopping the other workers, ~10 ms: under 60 ms at 0.04).
 _POLL_S = 0.04
-# Small batches travel several to a task, so that the fixed cost of a task's round trip
-# (~0.1-0.2 ms of the caller's CPU) is shared: as many consecutive batches of one epoch as the
-# workers load in about _TASK_TARGET_S, at most _MAX_BATCHES_PER_TASK and TASK_BYTES (what the
-# slots are sized for), with
-# keys a worker can read whole (_mppool.ATOMIC_TASK_BYTES); an epoch's first task carries one
-# batch. Longer target: less overhead per batch; shorter: less in flight. The measurements
-# behind these numbers: docs/design.md, "Several small batches to a task".
-_TASK_TARGET_S = 0.02
-_MAX_BATCHES_PER_TASK = 32
-# The sample keys a task message may carry (room left for the rest of the message), and
-# what a key that is not part of an int64 array is taken to need.
-_TASK_KEY_BYTES = ATOMIC_TASK_BYTES - 2048
-_GUESSED_KEY_BYTES = 64
-# Weight of the newest batch in the running estimate of a batch's cost and size.
-_ESTIMATE_WEIGHT = 0.2
-
-
-def _key_bytes(work: Any) -> int:
-    """About what a job's work adds to its task message."""
-    if isinstance(work, bytes):
-        return len(work) + 32
-    return _GUESSED_KEY_BYTES * len(work) if isinstance(work, list) else _GUESSED_KEY_BYTES
-
-
 class Collected(NamedTuple):
     """A collected batch (or a stream's `ShardEnd`) with where its time went, in seconds:
     `timings` maps each hop (`_stats.HOPS`) to its duration; empty for a `ShardEnd`."""
@@ -132,8 +108,7 @@ class Engine:
         self._tasks: collections.deque[Task] = collections.deque()  # in flight, in dispatch order
         self._discarded: list[Task] = []  # no longer wanted; their slots come back as they finish
         self._held: Job | None = None  # taken from the schedule, of another epoch than the task being filled
-        self._batch_cost_s = 0.0  # running estimates of a batch's worker time and bytes (0: unknown)
-        self._batch_bytes = 0.0
+        self._sizer = TaskSizer()  # how many batches go to a task
         self._dispatching_epoch: int | None = None  # the epoch of the latest task dispatched
         self._forked_from: int | None = None  # the pid whose workers this process inherited by fork
         self._dataset_picture: Picture | None = None  # the dataset when worker processes took their copy
@@ -185,17 +160,11 @@ class Engine:
             self._dataset_picture = picture(self._config.dataset)
 
     def batches_per_task(self) -> int:
-        """How many batches the next task carries (see _TASK_TARGET_S)."""
-        if self._backend is None or self._backend.slots is None or self._batch_cost_s <= 0.0:
-            return 1  # in-process and thread workers: nothing to share (and no batch size known)
-        count = int(_TASK_TARGET_S / self._batch_cost_s)
-        return max(1, min(count, self._most_per_task()))
-
-    def _most_per_task(self) -> int:
-        """The most batches a task may carry, by their size alone."""
-        if self._batch_bytes <= 0.0:
-            return _MAX_BATCHES_PER_TASK
-        return max(1, min(_MAX_BATCHES_PER_TASK, int(TASK_BYTES / self._batch_bytes)))
+        """How many batches the next task carries: one for in-process loading and thread
+        workers (they share the caller's memory: nothing to gain), else see `_sizing`."""
+        if self._backend is None or self._backend.slots is None:
+            return 1
+        return self._sizer.batches_per_task()
 
     def fill(self, next_job: Callable[[], Job | None]) -> None:
         """Dispatch jobs from `next_job` until the window is full or it has none."""
@@ -210,21 +179,21 @@ class Engine:
                 return
             jobs = [first]
             limit = per_task
-            if first.epoch != self._dispatching_epoch:  # the epoch's first task: one batch (see _TASK_TARGET_S)
+            if first.epoch != self._dispatching_epoch:  # the epoch's first task: one batch (see _sizing)
                 self._dispatching_epoch, limit = first.epoch, 1
-            key_bytes = _key_bytes(first.work)
+            message_bytes = key_bytes(first.work)
             while len(jobs) < limit and not isinstance(first.work, StreamRequest):
                 job = next_job()
                 if job is None:
                     break
-                key_bytes += _key_bytes(job.work)
-                if job.epoch != first.epoch or key_bytes > _TASK_KEY_BYTES:  # a task never spans two epochs
+                message_bytes += key_bytes(job.work)
+                if job.epoch != first.epoch or message_bytes > TASK_KEY_BYTES:  # a task never spans two epochs
                     self._held = job
                     break
                 jobs.append(job)
             slot = None
             if slots is not None:
-                slot = slots.acquire(len(jobs), self._most_per_task() if per_task > 1 else 1)
+                slot = slots.acquire(len(jobs), self._sizer.most_per_task() if per_task > 1 else 1)
             task = Task(jobs, slot)
             batches = tuple((job.number, job.seed, job.work) for job in jobs)
             args: tuple[Any, ...] = (self._loader_id, first.epoch, batches, task.slot)
@@ -290,7 +259,7 @@ class Engine:
             self.fetch_threads[message.worker_id] = message.fetch_threads
         if slots is not None:
             _, _, size, _, _ = batch  # a Handle
-            self._estimate(message, size)
+            self._sizer.estimate(message, size)
             batch = slots.rebuild(slot, batch)
         arrived = arrival or message.finished  # in-process loading: no trip back
         timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,
@@ -340,13 +309,6 @@ class Engine:
             self._tasks.remove(task)
             self._discarded.append(task)
             raise
-
-    def _estimate(self, message: Loaded, size: int) -> None:
-        """Update the running estimates of a batch's worker time and bytes (process workers:
-        only they group batches)."""
-        cost = message.fetch_s + message.batchify_s
-        self._batch_cost_s += (cost - self._batch_cost_s) * (_ESTIMATE_WEIGHT if self._batch_cost_s else 1.0)
-        self._batch_bytes += (size - self._batch_bytes) * (_ESTIMATE_WEIGHT if self._batch_bytes else 1.0)
 
     def _wait(self, task: Task, give_up: Callable[[], bool] | None = None) -> bool:
         """Wait until the answer of `task`'s next batch is in (True) or `give_up()` is true

@@ -27,7 +27,7 @@ __all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_TASKS_CLOSED", "Pro
 # much of a message its reader has not taken: with Linux's default 208 KiB send buffer, a
 # 117 KB message stopped at 110 KB (the writer waits for room, the reader for the rest),
 # 112 KB always fitted. Half of that leaves margin for other kernels; the engine keeps the
-# tasks it groups under it (`_engine._TASK_KEY_BYTES`).
+# tasks it groups under it (`_sizing.TASK_KEY_BYTES`).
 ATOMIC_TASK_BYTES = 64 * 1024
 # How long a reader sleeps while the rest of a message it has seen the start of is written.
 _ARRIVAL_POLL_S = 50e-6

@@ -64,7 +64,7 @@ _WORKER_SLICE_NS = 10_000_000
 # system call's number where gloader asks for the slice.
 _SCHED_ATTR = struct.Struct("IIQiIQQQII")
 _SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
-# A task that has run this long (twice what tasks are sized for, `_engine._TASK_TARGET_S`: its
+# A task that has run this long (twice what tasks are sized for, `_sizing._TASK_TARGET_S`: its
 # batches got slower) tells a caller waiting for one of its written batches at once, by
 # message; before, the caller finds it in the slot at the task's end or its next look
 # (`_engine._POLL_S`), which costs no message. Larger: fewer messages; smaller: sooner.

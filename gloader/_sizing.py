@@ -1,0 +1,62 @@
+"""Task sizes: how many consecutive batches of an epoch travel in one task, from running
+estimates of a batch's worker time and bytes (see docs/design.md, "Several small batches to a
+task"). The engine asks before each task and tells it each batch collected."""
+from __future__ import annotations
+
+from typing import Any
+
+from ._mppool import ATOMIC_TASK_BYTES
+from ._protocol import Loaded
+from ._transport import TASK_BYTES
+
+__all__ = ["TASK_KEY_BYTES", "TaskSizer", "key_bytes"]
+
+# Small batches travel several to a task, so that the fixed cost of a task's round trip
+# (~0.1-0.2 ms of the caller's CPU) is shared: as many consecutive batches of one epoch as the
+# workers load in about _TASK_TARGET_S, at most _MAX_BATCHES_PER_TASK and TASK_BYTES (what the
+# slots are sized for), with
+# keys a worker can read whole (_mppool.ATOMIC_TASK_BYTES); an epoch's first task carries one
+# batch. Longer target: less overhead per batch; shorter: less in flight. The measurements
+# behind these numbers: docs/design.md, "Several small batches to a task".
+_TASK_TARGET_S = 0.02
+_MAX_BATCHES_PER_TASK = 32
+# The sample keys a task message may carry (room left for the rest of the message), and
+# what a key that is not part of an int64 array is taken to need.
+TASK_KEY_BYTES = ATOMIC_TASK_BYTES - 2048
+_GUESSED_KEY_BYTES = 64
+# Weight of the newest batch in the running estimate of a batch's cost and size.
+_ESTIMATE_WEIGHT = 0.2
+
+
+def key_bytes(work: Any) -> int:
+    """About what a job's work adds to its task message."""
+    if isinstance(work, bytes):
+        return len(work) + 32
+    return _GUESSED_KEY_BYTES * len(work) if isinstance(work, list) else _GUESSED_KEY_BYTES
+
+
+class TaskSizer:
+    """Running estimates of a batch's worker time and bytes, and the task sizes they give."""
+
+    def __init__(self) -> None:
+        self.batch_cost_s = 0.0  # 0: unknown
+        self.batch_bytes = 0.0
+
+    def batches_per_task(self) -> int:
+        """How many batches the next task carries (see _TASK_TARGET_S)."""
+        if self.batch_cost_s <= 0.0:
+            return 1
+        count = int(_TASK_TARGET_S / self.batch_cost_s)
+        return max(1, min(count, self.most_per_task()))
+
+    def most_per_task(self) -> int:
+        """The most batches a task may carry, by their size alone."""
+        if self.batch_bytes <= 0.0:
+            return _MAX_BATCHES_PER_TASK
+        return max(1, min(_MAX_BATCHES_PER_TASK, int(TASK_BYTES / self.batch_bytes)))
+
+    def estimate(self, message: Loaded, size: int) -> None:
+        """Update the estimates with a batch collected (`size`: its bytes)."""
+        cost = message.fetch_s + message.batchify_s
+        self.batch_cost_s += (cost - self.batch_cost_s) * (_ESTIMATE_WEIGHT if self.batch_cost_s else 1.0)
+        self.batch_bytes += (size - self.batch_bytes) * (_ESTIMATE_WEIGHT if self.batch_bytes else 1.0)
