@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 from ._device import DEVICE_STAGE_HOLDS, PIN_THREAD_HOLDS, register_for_device
 from ._options import LoaderConfig
-from ._pool import PoolCore
+from ._pool import PoolCore, make_core
 from ._registry import Payload, Registration
 from ._seed import preserved_global_rng, seed_global_rng
 from ._transport import SlotPool
@@ -131,7 +131,7 @@ def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], P
         core.join(loader_id, make_payload(not config.thread_pool))
     else:
         pickled = not config.thread_pool and start_method != "fork"
-        core = PoolCore(config.num_workers, config.thread_pool, config.start_method,
+        core = make_core(config.num_workers, config.thread_pool, config.start_method,
                         [(loader_id, make_payload(pickled))])
     # With a CUDA device, slots are page-locked for it: the device stage copies a batch straight
     # from its slot, with no copy into pinned memory first (see _device.register_for_device).

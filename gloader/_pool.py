@@ -51,7 +51,8 @@ from ._worker import (
     run_task,
 )
 
-__all__ = ["PoolCore", "WorkerExitedError", "WorkerPool", "describe_exit", "track"]
+__all__ = ["PoolCore", "ProcessCore", "ThreadCore", "WorkerExitedError", "WorkerPool", "describe_exit", "make_core",
+           "track"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,83 +121,48 @@ def _sigint_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 class PoolCore:
-    """One running pool of `num_workers` processes or threads, with its supervision.
+    """One running pool of `num_workers` workers, with its supervision: `ProcessCore` or
+    `ThreadCore` (see `make_core`).
 
     Args:
         num_workers: workers to start.
-        is_thread: threads instead of processes.
         start_method: 'fork', 'spawn', 'forkserver' or None (platform default).
         registrations: (loader id, payload) pairs the initializer registers in every worker.
     """
 
-    def __init__(self, num_workers: int, is_thread: bool, start_method: str | None,
-                 registrations: list[tuple[int, Payload]]) -> None:
+    is_thread = False
+    status: StatusTable | None = None  # process pools: what each worker is doing
+    pool: Any
+
+    def __init__(self, num_workers: int, start_method: str | None, registrations: list[tuple[int, Payload]]) -> None:
         import multiprocess
 
-        if not is_thread and multiprocess.current_process().daemon:
-            # multiprocess would fail later with "daemonic processes are not allowed to have children"
-            raise RuntimeError(f"cannot start {num_workers} worker processes from a daemonic process (pid "
-                               f"{os.getpid()}), such as a gloader worker: it cannot have children of its own; "
-                               "give the inner DataLoader num_workers=0 or thread_pool=True")
         self.num_workers = num_workers
-        self.is_thread = is_thread
         self.start_method = start_method
         self._directory = PoolDirectory()
         self.payload_dir = self._directory.path
         self._closed = False
-        self._watched: list[Any] = []  # worker processes not yet seen dead
-        self._ended: list[Any] = []  # worker processes seen dead: their sentinels close with the pool
-        self._killed: set[Any] = set()  # worker processes killed on purpose: no death to report
-        self._deaths: list[_Death] = []  # noticed, not reported yet
         self._lock = threading.Lock()  # loaders on a shared pool may wait and leave in different threads
         self._id_lock: ProcessLock | None = None
         self._permits: tuple[ProcessLock, ...] = ()
         try:
-            ctx = multiprocess.get_context(start_method)
-            status = None if is_thread else ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
-            self.status = None if status is None else StatusTable(status, num_workers)
-            incarnations = None if is_thread else ctx.Array("q", [0] * num_workers, lock=False)
-            # What workers share holds no semaphore: one that a killed worker held would stay taken
-            # (a worker killed while reading a synchronized generation counter blocked the next
-            # loader to leave, and every worker, for good). Ids are claimed under a lock the kernel
-            # releases; the generation is a plain shared int that only this process writes.
-            self._id_lock = None if is_thread else ProcessLock(os.path.join(self.payload_dir, "ids.lock"))
-            cpus = usable_cpus()
-            if not is_thread and num_workers > cpus:  # see _admission
-                self._permits = tuple(ProcessLock(os.path.join(self.payload_dir, f"permit-{i}.lock"))
-                                      for i in range(cpus))
-            self.spec = PoolSpec(num_workers=num_workers, counter=ctx.Value("i", 0) if is_thread else None,
-                                 id_lock=self._id_lock, status=status, incarnations=incarnations, main_pid=os.getpid(),
-                                 payload_dir=self.payload_dir, generation=ctx.Value("i", 0, lock=False),
-                                 permits=self._permits)
-            if is_thread:
-                self.pool: Any = make_thread_pool(num_workers, initialize_thread_worker, (self.spec, registrations))
-            else:
-                # SIGINT blocked in this thread while the pool starts: the workers (and the pool's
-                # threads, hence the workers they start later) inherit the mask, so a Ctrl-C while a
-                # spawned worker still imports cannot kill it before its initializer ignores SIGINT.
-                # The resource tracker is started first: starting it unblocks SIGINT in its caller.
-                if ctx.get_start_method() != "fork":
-                    from multiprocess import resource_tracker
-
-                    resource_tracker.ensure_running()
-                with _sigint_blocked():
-                    self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
-                                                   initargs=(self.spec, registrations), context=ctx,
-                                                   lock_dir=self.payload_dir)
+            self._start(multiprocess.get_context(start_method), registrations)
         except BaseException:  # the pool did not start: nothing will close it
             self._close_files()
             raise
-        logger.debug("started %d %s workers (%s)", num_workers, "thread" if is_thread else "process",
-                     start_method or "default start method")
+        logger.debug("started %d %s workers (%s)", num_workers, self._kind, start_method or "default start method")
+
+    @property
+    def _kind(self) -> str:
+        return "thread" if self.is_thread else "process"
+
+    def _start(self, ctx: Any, registrations: list[tuple[int, Payload]]) -> None:
+        raise NotImplementedError
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None) -> Any:
-        """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult (of a process
-        pool, one whose `chunks` receive the parts of the result a task sends before its end).
+        """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult.
         `on_ready(result)` runs in the pool's result thread as the result arrives."""
-        if self.is_thread:
-            return self.pool.apply_async(run_task, args, callback=on_ready)
-        return self.pool.submit_task(run_task, args, on_ready)
+        raise NotImplementedError
 
     @property
     def closed(self) -> bool:
@@ -204,8 +170,173 @@ class PoolCore:
         return self._closed or not pool_running(self.pool)
 
     def worker_pids(self) -> list[int]:
-        """Pids of the worker processes (empty for threads)."""
-        return [] if self.is_thread else [p.pid for p in pool_workers(self.pool)]
+        """Pids of the worker processes (none for threads)."""
+        return []
+
+    def find_dead_worker(self, loader_id: int | None = None) -> str | None:
+        """Describe a worker process that has died, once, to the loader it concerns; or None
+        (threads do not die apart from the caller)."""
+        return None
+
+    def kill_worker_loading(self, loader_id: int, epoch: int, batch_indices: list[int]) -> int | None:
+        """Kill the worker process stuck on one of those batches; its pid, or None."""
+        return None
+
+    def join(self, loader_id: int, payload: Payload) -> None:
+        """Register a loader on the running pool."""
+        raise NotImplementedError
+
+    def forget(self, result: Any) -> None:
+        """A task of a loader leaving the pool that did not finish: the pool stops waiting for it."""
+
+    def leave(self, loader_id: int) -> None:
+        """Drop a loader."""
+        raise NotImplementedError
+
+    def close(self, prompt: bool = False) -> None:
+        """Stop every worker, climbing the ladder; idempotent, bounded in time.
+
+        `prompt`: skip asking (after a dead worker or a timeout nobody waits for batches, and
+        a stuck worker would not answer anyway): terminate at once.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop_workers(prompt)
+        finally:  # the workers are gone (or being killed): their files go
+            self._close_files()
+        logger.debug("stopped %d %s workers", self.num_workers, self._kind)
+
+    def _stop_workers(self, prompt: bool) -> None:
+        raise NotImplementedError
+
+    def forget_after_fork(self) -> None:
+        """In a process forked (by `os.fork()`, not by the pool) from the one that made this
+        pool: its workers are the parent's. Mark it closed so that nothing here stops them,
+        neither `close()` nor, at this process's exit, the pool's own finalizer or multiprocess's
+        exit handler, which terminates every daemonic child it knows of (in the parent's table)."""
+        self._closed = True
+        pool = getattr(self, "pool", None)  # None: forked while the pool was being made
+        if pool is not None:
+            forget_pool_after_fork(pool, processes=not self.is_thread)
+
+    def _close_files(self) -> None:
+        for lock in (self._id_lock, *self._permits):
+            if lock is not None:
+                lock.close()
+        self._directory.close()
+
+    def _stop_pool_threads(self) -> None:
+        stopper = threading.Thread(target=self.pool.terminate, name="gloader-pool-stop", daemon=True)
+        stopper.start()
+        stopper.join(_POOL_THREADS_S)
+        if stopper.is_alive():
+            logger.warning("the pool's bookkeeping threads did not stop within %.1f s", _POOL_THREADS_S)
+            return
+        # The pipe that woke the maintenance thread, which has stopped: closed now, not when the
+        # pool object is collected, which an exception's traceback (kept by a notebook) can delay.
+        # The same for the queues' ends and locks and the ended workers' sentinels.
+        release_pool_files(self.pool, processes=not self.is_thread)
+        self._after_pool_stopped()
+
+    def _after_pool_stopped(self) -> None:
+        pass
+
+
+class ThreadCore(PoolCore):
+    """A pool of worker threads: they share this process's registry and memory."""
+
+    is_thread = True
+
+    def _start(self, ctx: Any, registrations: list[tuple[int, Payload]]) -> None:
+        self.spec = PoolSpec(num_workers=self.num_workers, counter=ctx.Value("i", 0), id_lock=None, status=None,
+                             incarnations=None, main_pid=os.getpid(), payload_dir=self.payload_dir,
+                             generation=ctx.Value("i", 0, lock=False))
+        self.pool = make_thread_pool(self.num_workers, initialize_thread_worker, (self.spec, registrations))
+
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None) -> Any:
+        return self.pool.apply_async(run_task, args, callback=on_ready)
+
+    def join(self, loader_id: int, payload: Payload) -> None:
+        """Register a loader on the running pool (this process's registry: at once)."""
+        register_loader(loader_id, payload, 0, self.num_workers, seeds_globals=False)
+
+    def leave(self, loader_id: int) -> None:
+        """Drop a loader, at once."""
+        unregister_loader(loader_id)
+
+    def _stop_workers(self, prompt: bool) -> None:
+        self._close_threads()
+
+    def _close_threads(self) -> None:
+        pool = self.pool
+        pool.close()
+        deadline = time.monotonic() + _ASK_S + _TERMINATE_S
+        threads = pool_workers(pool)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in threads if t.is_alive()]
+        if busy:
+            logger.warning("gloader thread workers %s are still running user code after %.1f s; "
+                           "they are daemon threads and end with the interpreter", busy, _ASK_S + _TERMINATE_S)
+        self._stop_pool_threads()
+
+
+class ProcessCore(PoolCore):
+    """A pool of worker processes, supervised: the pool never tells anyone that a worker died
+    (see the module's docstring), so `find_dead_worker` reads exit codes itself."""
+
+    def __init__(self, num_workers: int, start_method: str | None, registrations: list[tuple[int, Payload]]) -> None:
+        import multiprocess
+
+        if multiprocess.current_process().daemon:
+            # multiprocess would fail later with "daemonic processes are not allowed to have children"
+            raise RuntimeError(f"cannot start {num_workers} worker processes from a daemonic process (pid "
+                               f"{os.getpid()}), such as a gloader worker: it cannot have children of its own; "
+                               "give the inner DataLoader num_workers=0 or thread_pool=True")
+        self._watched: list[Any] = []  # worker processes not yet seen dead
+        self._ended: list[Any] = []  # worker processes seen dead: their sentinels close with the pool
+        self._killed: set[Any] = set()  # worker processes killed on purpose: no death to report
+        self._deaths: list[_Death] = []  # noticed, not reported yet
+        super().__init__(num_workers, start_method, registrations)
+
+    def _start(self, ctx: Any, registrations: list[tuple[int, Payload]]) -> None:
+        num_workers = self.num_workers
+        status = ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
+        self.status = StatusTable(status, num_workers)
+        incarnations = ctx.Array("q", [0] * num_workers, lock=False)
+        # What workers share holds no semaphore: one that a killed worker held would stay taken
+        # (a worker killed while reading a synchronized generation counter blocked the next
+        # loader to leave, and every worker, for good). Ids are claimed under a lock the kernel
+        # releases; the generation is a plain shared int that only this process writes.
+        self._id_lock = ProcessLock(os.path.join(self.payload_dir, "ids.lock"))
+        cpus = usable_cpus()
+        if num_workers > cpus:  # see _admission
+            self._permits = tuple(ProcessLock(os.path.join(self.payload_dir, f"permit-{i}.lock"))
+                                  for i in range(cpus))
+        self.spec = PoolSpec(num_workers=num_workers, counter=None, id_lock=self._id_lock, status=status,
+                             incarnations=incarnations, main_pid=os.getpid(), payload_dir=self.payload_dir,
+                             generation=ctx.Value("i", 0, lock=False), permits=self._permits)
+        # SIGINT blocked in this thread while the pool starts: the workers (and the pool's
+        # threads, hence the workers they start later) inherit the mask, so a Ctrl-C while a
+        # spawned worker still imports cannot kill it before its initializer ignores SIGINT.
+        # The resource tracker is started first: starting it unblocks SIGINT in its caller.
+        if ctx.get_start_method() != "fork":
+            from multiprocess import resource_tracker
+
+            resource_tracker.ensure_running()
+        with _sigint_blocked():
+            self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
+                                           initargs=(self.spec, registrations), context=ctx, lock_dir=self.payload_dir)
+
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None) -> Any:
+        """Queue one `_worker.run_task(*args)`; its result receives the parts a task sends
+        before its end in `chunks` (see `_mppool.send_partial`)."""
+        return self.pool.submit_task(run_task, args, on_ready)
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in pool_workers(self.pool)]
 
     def find_dead_worker(self, loader_id: int | None = None) -> str | None:
         """Describe a worker process that has died, once, to the loader it concerns; or None.
@@ -216,7 +347,7 @@ class PoolCore:
         shared pool the other loaders, which lost nothing, go on. A death while idle lost no
         task and is reported to the first loader that asks.
         """
-        if self.is_thread or self._closed:
+        if self._closed:
             return None
         with self._lock:
             self._notice_deaths()
@@ -284,11 +415,8 @@ class PoolCore:
         return self.status is not None and self.status.has_started(pid)
 
     def join(self, loader_id: int, payload: Payload) -> None:
-        """Register a loader on the running pool. Thread workers share this process's registry;
-        process workers read the payload file at their first task for the loader."""
-        if self.is_thread:
-            register_loader(loader_id, payload, 0, self.num_workers, seeds_globals=False)
-            return
+        """Register a loader on the running pool: workers read its payload file at their first
+        task for it."""
         path = os.path.join(self.payload_dir, f"{loader_id}.pkl")
         handle = open(path + ".tmp", "wb")
         try:
@@ -306,15 +434,11 @@ class PoolCore:
     def forget(self, result: Any) -> None:
         """A task of a loader leaving the pool that did not finish (its worker died, or hangs):
         the pool stops waiting for it."""
-        if not self.is_thread:
-            forget_task(self.pool, result)
+        forget_task(self.pool, result)
 
     def leave(self, loader_id: int) -> None:
-        """Drop a loader: at once for thread workers, at their next task for process workers
-        (its payload file is gone and the generation moves on)."""
-        if self.is_thread:
-            unregister_loader(loader_id)
-            return
+        """Drop a loader at the workers' next task for it (its payload file is gone and the
+        generation moves on)."""
         with self._lock:
             # Deaths of its tasks' workers concern nobody else.
             self._deaths = [death for death in self._deaths if death.owner != loader_id]
@@ -324,56 +448,12 @@ class PoolCore:
                 return
             self.spec.generation.value += 1
 
-    def close(self, prompt: bool = False) -> None:
-        """Stop every worker, climbing the ladder; idempotent, bounded in time.
-
-        `prompt`: skip asking (after a dead worker or a timeout nobody waits for batches, and
-        a stuck worker would not answer anyway): terminate at once.
-        """
-        if self._closed:
-            return
-        self._closed = True
+    def _stop_workers(self, prompt: bool) -> None:
         try:
-            if self.is_thread:
-                self._close_threads()
-            else:
-                try:
-                    self._close_processes(prompt)
-                except BaseException:  # a second Ctrl-C while asking: stop them at once, then re-raise
-                    self._close_processes(prompt=True)
-                    raise
-        finally:  # the workers are gone (or being killed): their files go
-            self._close_files()
-        logger.debug("stopped %d %s workers", self.num_workers, "thread" if self.is_thread else "process")
-
-    def forget_after_fork(self) -> None:
-        """In a process forked (by `os.fork()`, not by the pool) from the one that made this
-        pool: its workers are the parent's. Mark it closed so that nothing here stops them,
-        neither `close()` nor, at this process's exit, the pool's own finalizer or multiprocess's
-        exit handler, which terminates every daemonic child it knows of (in the parent's table)."""
-        self._closed = True
-        pool = getattr(self, "pool", None)  # None: forked while the pool was being made
-        if pool is not None:
-            forget_pool_after_fork(pool, processes=not self.is_thread)
-
-    def _close_files(self) -> None:
-        for lock in (self._id_lock, *self._permits):
-            if lock is not None:
-                lock.close()
-        self._directory.close()
-
-    def _close_threads(self) -> None:
-        pool = self.pool
-        pool.close()
-        deadline = time.monotonic() + _ASK_S + _TERMINATE_S
-        threads = pool_workers(pool)
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        busy = [t.name for t in threads if t.is_alive()]
-        if busy:
-            logger.warning("gloader thread workers %s are still running user code after %.1f s; "
-                           "they are daemon threads and end with the interpreter", busy, _ASK_S + _TERMINATE_S)
-        self._stop_pool_threads()
+            self._close_processes(prompt)
+        except BaseException:  # a second Ctrl-C while asking: stop them at once, then re-raise
+            self._close_processes(prompt=True)
+            raise
 
     def _close_processes(self, prompt: bool) -> None:
         pool = self.pool
@@ -412,22 +492,17 @@ class PoolCore:
         if not stop_maintenance(self.pool, _POOL_THREADS_S):
             logger.warning("the pool's maintenance thread did not stop within %.1f s", _POOL_THREADS_S)
 
-    def _stop_pool_threads(self) -> None:
-        stopper = threading.Thread(target=self.pool.terminate, name="gloader-pool-stop", daemon=True)
-        stopper.start()
-        stopper.join(_POOL_THREADS_S)
-        if stopper.is_alive():
-            logger.warning("the pool's bookkeeping threads did not stop within %.1f s", _POOL_THREADS_S)
-            return
-        # The pipe that woke the maintenance thread, which has stopped: closed now, not when the
-        # pool object is collected, which an exception's traceback (kept by a notebook) can delay.
-        # The same for the queues' ends and locks and the ended workers' sentinels.
-        release_pool_files(self.pool, processes=not self.is_thread)
-        if not self.is_thread:
-            pool = self.pool
-            for process in {*self._ended, *self._watched, *pool.started, *pool_workers(pool)}:
-                if process.exitcode is not None:
-                    process.close()
+    def _after_pool_stopped(self) -> None:
+        pool = self.pool
+        for process in {*self._ended, *self._watched, *pool.started, *pool_workers(pool)}:
+            if process.exitcode is not None:
+                process.close()
+
+
+def make_core(num_workers: int, is_thread: bool, start_method: str | None,
+              registrations: list[tuple[int, Payload]]) -> PoolCore:
+    """A running pool of `num_workers` threads (`is_thread`) or processes."""
+    return (ThreadCore if is_thread else ProcessCore)(num_workers, start_method, registrations)
 
 
 def _join_all(processes: list[Any], timeout_s: float) -> bool:
@@ -503,7 +578,7 @@ class WorkerPool:
         self.num_workers = check_positive_int("num_workers", num_workers)
         self.thread_pool = check_flag("thread_pool", thread_pool)
         self.start_method = check_start_method(start_method)
-        self._core: PoolCore | None = PoolCore(self.num_workers, self.thread_pool, start_method, [])
+        self._core: PoolCore | None = make_core(self.num_workers, self.thread_pool, start_method, [])
         self._finalizer = weakref.finalize(self, _finalize_pool, self._core)
         track(self)
 

@@ -391,7 +391,7 @@ def test_a_pool_that_fails_to_start_removes_its_directory(monkeypatch) -> None:
     monkeypatch.setattr(_pool, "make_pool_class", no_pool)
     before = payload_dirs()
     with pytest.raises(OSError, match="cannot start workers"):
-        _pool.PoolCore(2, False, "fork", [])
+        _pool.make_core(2, False, "fork", [])
     assert payload_dirs() - before == set()
 
 
@@ -399,7 +399,7 @@ def test_a_pool_closed_by_a_second_ctrl_c_still_removes_its_directory(monkeypatc
     from gloader import _pool
 
     before = payload_dirs()
-    core = _pool.PoolCore(2, False, "fork", [])
+    core = _pool.make_core(2, False, "fork", [])
     pids = [p.pid for p in core.pool._pool]
     stop = core._close_processes
 
