@@ -479,3 +479,42 @@ def test_an_iterator_dropped_mid_epoch_on_thread_workers_stops_its_batches_not_b
         state = loader.state_dict()
         assert (state["epoch"], state["batches_yielded"]) == (0, 2)  # still answered for
         assert [int(b) for b in loader] == list(range(64))  # the next epoch is whole
+
+
+def test_workers_of_a_killed_caller_exit_with_a_code_that_says_so() -> None:
+    import ctypes
+    import subprocess
+    import sys
+
+    from gloader._mppool import EXIT_TASKS_CLOSED
+    from gloader._worker import EXIT_CALLER_GONE
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER: the orphaned workers become our children
+        pytest.skip("this system cannot make the test a subreaper")
+    try:
+        script = ("import sys, numpy as np, gloader\n"
+                  "loader = gloader.DataLoader(np.arange(8), batch_size=2, num_workers=2)\n"
+                  "next(iter(loader))\n"
+                  "print(*loader.worker_pids(), flush=True)\n"
+                  "sys.stdin.read()\n")
+        with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) as caller:
+            workers = [int(pid) for pid in caller.stdout.readline().split()]
+            assert len(workers) == 2
+            caller.kill()
+        codes: dict[int, int] = {}
+
+        def reaped() -> bool:
+            for pid in workers:
+                if pid not in codes:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        codes[pid] = os.waitstatus_to_exitcode(status)
+            return len(codes) == len(workers)
+
+        assert wait_until(reaped, 10.0)
+        # the parent watch (119), or the task socket's end gone with the caller (117): never 0
+        assert set(codes.values()) <= {EXIT_CALLER_GONE, EXIT_TASKS_CLOSED}, codes
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
