@@ -41,7 +41,7 @@ _AUTO_MOST_THREADS = 64
 _AUTO_MEASURE_BATCHES = 3
 _AUTO_GAIN = 1.10
 _AUTO_LOSS = 0.95
-_AUTO_HOLD = 10
+_AUTO_HOLD = 5
 
 
 class BatchWriter(Protocol):
@@ -144,9 +144,9 @@ class _Climb:
         if rate >= base[1] * (_AUTO_GAIN if up else _AUTO_LOSS):  # kept: go on the same way
             self._base = (self.count, rate)
             self._try(up)
-        else:  # back to the count before, for a while
-            self.count = base[0]
-            self._settle(down=up)
+        else:  # back to the count before, for a while; after the first climb, try higher again
+            self.count = base[0]  # (it came through the lower counts: they were slower)
+            self._settle(down=up and not self._climbing)
 
     def _try(self, up: bool) -> None:
         trial = min(self._most, self.count * 2) if up else max(1, self.count // 2)

@@ -36,12 +36,12 @@ def test_samples_are_fetched_concurrently() -> None:
 
 
 def test_auto_adds_threads_for_samples_that_wait_and_not_for_samples_that_compute() -> None:
-    with DataLoader(_data.Waits(0.005, 256), batch_size=16, num_workers=1, fetch_threads="auto") as loader:
+    with DataLoader(_data.Waits(0.005, 512), batch_size=16, num_workers=1, fetch_threads="auto") as loader:
         list(loader)
-        assert loader.stats()["fetch_threads"][0] >= 4
+        assert loader.stats()["fetch_threads"][0] >= 8  # the batch's 16 samples fetched 8 or 16 at a time
     with DataLoader(_data.Computes(256), batch_size=16, num_workers=1, fetch_threads="auto") as loader:
         list(loader)
-        assert loader.stats()["fetch_threads"][0] <= 2
+        assert loader.stats()["fetch_threads"][0] <= 4  # tried, not kept (a noisy try may keep one doubling)
 
 
 def test_a_failing_sample_fails_its_batch_naming_it_and_the_others_come() -> None:
