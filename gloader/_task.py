@@ -92,10 +92,8 @@ class Task:
         self.arrivals[position] = when
 
     def wait(self, slots: SlotPool | None, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the next batch's answer; True once it is in."""
-        self.receive(slots)
-        if self.has_next:
-            return True
+        """Wait up to `timeout_s` for the next batch's answer; True once it is in (the caller
+        has just looked: `receive`)."""
         progress = getattr(self.result, "progress", None)
         if progress is None:
             self.result.wait(timeout_s)

@@ -177,9 +177,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self._finalizer = weakref.finalize(self, _close_unreferenced, self._engine, self._latest)
         self._device = DevicePipeline(config.device) if config.device is not None else None
         self._stats = PipelineStats()
-        # The current iterator, held weakly (an iterator the caller drops mid-epoch is noticed,
-        # see Engine.abandon), and where it stands, which outlives it (state_dict).
-        self._iter_ref: weakref.ref[EpochIterator] | None = None
+        # The current iterator is held weakly, in `_latest` (an iterator the caller drops
+        # mid-epoch is noticed, see Engine.abandon); where it stands outlives it (state_dict).
         self._position: Position | None = None
         self._reported_samples: int | None = None  # a stream's len(dataset), once len(loader) was taken
         self._closed = False
@@ -269,7 +268,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             self._redraw_stale_lookahead()
             epoch = self._schedule.open()
         iterator = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options, self._device)
-        self._iter_ref = self._latest.ref = weakref.ref(iterator)
+        self._latest.ref = weakref.ref(iterator)
         self._position = iterator.position
         weakref.finalize(iterator, self._engine.abandon, iterator.position)
         iterator.reported_samples = self._reported_samples
@@ -278,7 +277,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     @property
     def _epoch_iter(self) -> EpochIterator | None:
         """The current iterator while the caller holds it."""
-        return self._iter_ref() if self._iter_ref is not None else None
+        return self._latest.ref() if self._latest.ref is not None else None
 
     def _follow_dataset_changes(self) -> None:
         """Let the epoch about to start see changes the caller made to the dataset since the
@@ -385,7 +384,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 impossible value (naming the field).
         """
         self._end_iterator("load_state_dict")
-        self._iter_ref, self._position = None, None
+        self._latest.ref, self._position = None, None
         self._engine.discard()
         self._schedule.load_state_dict(state)
 
@@ -456,7 +455,7 @@ def _make_payload(config: LoaderConfig, schedule: Schedule, pickled: bool) -> An
 
 
 class _LatestIterator:
-    """A loader's newest iterator, held weakly, for the loader's finalizer."""
+    """A loader's newest iterator, held weakly: the loader's current one, and what its finalizer waits for."""
 
     __slots__ = ("ref",)
 

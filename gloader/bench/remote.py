@@ -24,6 +24,8 @@ import torch
 
 import gloader
 
+from .memory import _uss_mb
+
 __all__ = ["RemoteJpegs", "measure_remote", "remote_loader_names", "remote_summary", "report_remote"]
 
 # What the server does per request (seconds) and what it serves. Larger delay: loading
@@ -36,7 +38,6 @@ _SAMPLES = 1024
 _QUICK_SAMPLES = 256
 _WORKER_COUNTS = (2, 8, 32)
 _AUTO = "gloader nw=2 fetch_threads=auto"
-_MB = 1 << 20
 
 
 def _jpegs(count: int) -> list[bytes]:
@@ -121,18 +122,6 @@ class RemoteJpegs(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return torch.from_numpy(pixels.copy()).permute(2, 0, 1), index
 
 
-def _uss_mb(pids: list[int]) -> float:
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        try:
-            total += psutil.Process(pid).memory_full_info().uss / _MB
-        except psutil.Error:
-            pass
-    return total
-
-
 def _torch(dataset: RemoteJpegs, workers: int) -> Any:
     return torch.utils.data.DataLoader(dataset, batch_size=_BATCH, shuffle=True, num_workers=workers,
                                        persistent_workers=True)
@@ -171,7 +160,7 @@ def _one_round(name: str, make: Callable[[], Any], samples: int) -> tuple[float,
         count = sum(len(batch[1]) for batch in loader)
         rate = count / (time.perf_counter() - started)
         assert count == samples, (name, count)
-        uss = _uss_mb(_worker_pids(loader))
+        uss = sum(_uss_mb(_worker_pids(loader)))
         threads = max(loader.stats().get("fetch_threads", {0: 0}).values()) if name == _AUTO else 0
         return rate, uss, threads
     finally:
