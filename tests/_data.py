@@ -786,12 +786,14 @@ class GatedLoads(gloader.Dataset):
         self.length, self.gated = length, gated
         self.gate = threading.Event()
         self.loaded: list[int] = []
+        self.waiting: list[int] = []  # indices that reached the gate
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, idx: int) -> Any:
         if idx >= self.gated:
+            self.waiting.append(idx)
             self.gate.wait(10.0)
         self.loaded.append(idx)
         return np.array([idx], dtype=np.int64)

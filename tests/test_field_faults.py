@@ -471,6 +471,7 @@ def test_an_iterator_dropped_mid_epoch_on_thread_workers_stops_its_batches_not_b
         assert [int(next(it)) for _ in range(2)] == [0, 1]  # batches 2-7 in flight: 2 begun (at the gate), 4 queued
         tasks = list(loader._engine._tasks)
         assert len(tasks) == 6
+        assert wait_until(lambda: sorted(dataset.waiting) == [2, 3], 10.0)  # both threads took their next batch
         del it  # an early break: the caller drops the iterator
         gc.collect()
         dataset.gate.set()
