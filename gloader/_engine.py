@@ -326,10 +326,11 @@ class Engine:
             if time.monotonic() > deadline:
                 elapsed = time.monotonic() - task.waited[1]
                 job = task.next_job
-                raise BatchTimeoutError(f"batch {job.number} of epoch {job.epoch}{_describe_keys(job)} took more "
-                                        f"than {elapsed:.1f} s, the loader's timeout={self._config.timeout_s:g}; "
-                                        "raise timeout= if batches are legitimately slow, or look for a "
-                                        "hang in the dataset")
+                timeout = self._config.timeout_s
+                raise BatchTimeoutError(f"DataLoader timed out after {timeout:g} seconds: batch {job.number} of epoch "
+                                        f"{job.epoch}{_describe_keys(job)} took more than {elapsed:.1f} s, the "
+                                        f"loader's timeout={timeout:g}; raise timeout= if batches are legitimately "
+                                        "slow, or look for a hang in the dataset")
         return True
 
     def _check_workers(self, task: Task) -> None:

@@ -146,8 +146,9 @@ class _StreamBatches(_HostBatches):
     def _no_progress(self, shard: int) -> None:
         self.ended = True
         self._engine.discard(self._epoch.number)
-        raise BatchTimeoutError(f"stream epoch {self._epoch.number} made no progress for more than "
-                                f"{self._timeout_s:g} s (the loader's timeout): only ended shards answered, while "
+        raise BatchTimeoutError(f"DataLoader timed out after {self._timeout_s:g} seconds: stream epoch "
+                                f"{self._epoch.number} made no progress for more than {self._timeout_s:g} s (the "
+                                "loader's timeout): only ended shards answered, while "
                                 f"shard {shard} neither sent a batch nor ended. Raise timeout= if a shard is "
                                 "legitimately that slow, or look for a hang in the dataset's __iter__")
 
@@ -261,11 +262,13 @@ class EpochIterator:
         IterableDataset that every worker reads whole."""
         reported, self.reported_samples = self.reported_samples, None
         workers = self._config.num_workers
-        cause = (f" With num_workers={workers}, each worker iterates the whole dataset unless its __iter__ takes "
-                 "its own share (see gloader.get_worker_info()), so every sample comes num_workers times."
-                 if workers > 1 else "")
-        warnings.warn(f"len(loader) was taken from len(dataset)={reported}, but epoch {self.epoch.number} has "
-                      f"delivered {samples} samples by its batch {self.yielded}.{cause}", UserWarning, stacklevel=3)
+        cause = (f" For multiprocessing data-loading, this usually means that each of the num_workers={workers} "
+                 "workers iterates the whole dataset: its __iter__ must take its own share (see "
+                 "gloader.get_worker_info()), or every sample comes num_workers times." if workers > 1 else "")
+        # "but N samples have been fetched. For multiprocessing data-loading" are torch's words, which
+        # warning filters written for torch match.
+        warnings.warn(f"len(loader) was taken from len(dataset)={reported}, but by batch {self.yielded} of epoch "
+                      f"{self.epoch.number}, {samples} samples have been fetched.{cause}", UserWarning, stacklevel=3)
 
     def _host_batch(self) -> Any:
         if not self._config.pin_thread:

@@ -251,8 +251,10 @@ def _warn_about_setup(workers: int, sampler: Any, is_stream: bool) -> None:
     """Warn about setups that work but are likely mistakes, as torch's DataLoader does."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if workers > _OVERSUBSCRIBED_PER_CPU * cpus:
-        warnings.warn(f"num_workers={workers} is far above the {cpus} CPUs this process may use; workers will "
-                      f"compete for them and loading gets slower, not faster. Try num_workers={cpus}.",
+        # Begins in torch's words, which warning filters written for torch match.
+        warnings.warn(f"This DataLoader will create {workers} workers (num_workers={workers}), far above the {cpus} "
+                      "CPUs this process may use: excessive worker creation might get DataLoader running slow or "
+                      f"even freeze, as the workers compete for the CPUs. Try num_workers={cpus}.",
                       UserWarning, stacklevel=4)
     if is_stream or "distributed" in _WARNED or not torch.distributed.is_available():
         return

@@ -88,7 +88,9 @@ _OWN_EXITS = {
 
 
 def describe_exit(exitcode: int) -> str:
-    """Say how a worker ended and the likely cause, from its exit code."""
+    """Say how a worker ended and the likely cause, from its exit code; a death by a signal in
+    torch's words ("is killed by signal: Segmentation fault"), which scripts written for torch
+    look for."""
     if exitcode in _OWN_EXITS:
         return f"exited with code {exitcode}: {_OWN_EXITS[exitcode]}"
     if exitcode < 0:
@@ -97,9 +99,9 @@ def describe_exit(exitcode: int) -> str:
         except ValueError:
             name = f"signal {-exitcode}"
         cause = _SIGNAL_CAUSES.get(-exitcode, "it received a fatal signal")  # type: ignore[call-overload]
-        return f"was ended by {name}; likely cause: {cause}"
-    return (f"exited with code {exitcode}; likely cause: os._exit() called in the dataset, a transform or "
-            "the batchify function, or an exit of the interpreter from native code")
+        return f"is killed by signal: {signal.strsignal(-exitcode) or name} ({name}); likely cause: {cause}"
+    return (f"exited unexpectedly with code {exitcode}; likely cause: os._exit() called in the dataset, a transform "
+            "or the batchify function, or an exit of the interpreter from native code")
 
 
 @dataclasses.dataclass
@@ -382,14 +384,14 @@ class ProcessCore(PoolCore):
                 self._killed.discard(process)
                 continue
             if not self._has_started(process.pid):
-                text = f"gloader worker (pid {process.pid}) {describe_exit(code)}, while starting" if code < 0 else (
-                    f"gloader worker (pid {process.pid}) exited with code {code} while starting, before it "
+                text = f"DataLoader worker (pid {process.pid}) {describe_exit(code)}, while starting" if code < 0 else (
+                    f"DataLoader worker (pid {process.pid}) exited with code {code} while starting, before it "
                     "could load anything; under spawn or forkserver the main script is imported again in "
                     "each worker, so guard it with `if __name__ == '__main__':` (its traceback is on stderr)")
                 self._deaths.append(_Death(text, None))
                 continue
             doing = self.status.doing(process.pid) if self.status is not None else None
-            text = f"gloader worker (pid {process.pid}) {describe_exit(code)}"
+            text = f"DataLoader worker (pid {process.pid}) {describe_exit(code)}"
             if doing is not None:
                 text += f". It was loading batch {doing[2]} of epoch {doing[1]} for loader {doing[0]}"
             self._deaths.append(_Death(text, None if doing is None else doing[0]))

@@ -31,10 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 @pytest.mark.parametrize("how, says", [
-    ("exit", "exited with code 3; likely cause: os._exit"),
-    ("kill", "SIGKILL; likely cause: it was killed, most often by the out-of-memory killer"),
-    ("segv", "SIGSEGV; likely cause: a crash in native code"),
-    ("bus", r"SIGBUS; likely cause: shared memory ran out \(/dev/shm is full"),
+    ("exit", r"^DataLoader worker \(pid \d+\) exited unexpectedly with code 3; likely cause: os._exit"),
+    ("kill", r"^DataLoader worker \(pid \d+\) is killed by signal: Killed \(SIGKILL\); likely cause: it was killed, most often by the out-of-memory killer"),
+    ("segv", r"is killed by signal: Segmentation fault \(SIGSEGV\); likely cause: a crash in native code"),
+    ("bus", r"is killed by signal: Bus error \(SIGBUS\); likely cause: shared memory ran out \(/dev/shm is full"),
 ])
 def test_dead_worker_raises_within_two_seconds_naming_pid_signal_batch_and_cause(start_method: str, how: str,
                                                                                    says: str) -> None:

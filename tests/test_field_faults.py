@@ -33,7 +33,7 @@ def test_a_worker_dying_while_idle_is_reported_once_then_loading_goes_on() -> No
         assert wait_until(lambda: all(status.doing(pid) is None for pid in loader.worker_pids()), 5.0)
         victim = loader.worker_pids()[0]
         _kill_and_wait_for_replacement(loader.worker_pids, victim)
-        with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) was ended by SIGKILL"):
+        with pytest.raises(gloader.WorkerExitedError, match=rf"^DataLoader worker \(pid {victim}\) is killed by signal: Killed \(SIGKILL\)"):
             list(loader)
         rows = torch.cat(list(loader))  # the next epoch runs on new workers
     assert sorted(rows[:, 2].tolist()) == list(range(16))
@@ -76,7 +76,7 @@ def test_a_worker_killed_while_starting_is_described_by_its_signal(monkeypatch) 
         monkeypatch.setattr(pool.core, "_has_started", lambda pid: False)  # as if it died before claiming an id
         victim = pool.worker_pids()[0]
         _kill_and_wait_for_replacement_of_one(pool.worker_pids, victim)
-        with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) was ended by SIGKILL.*, while starting") \
+        with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) is killed by signal: Killed \(SIGKILL\).*, while starting") \
                 as info:
             list(loader)
         assert "__main__" not in str(info.value)  # not the advice for a script that fails on import
@@ -99,7 +99,7 @@ def test_on_a_shared_pool_a_death_is_reported_to_the_loader_whose_batch_it_held(
             # The other loader waits first: the death is not its to report, and it lost nothing.
             assert torch.cat(list(other)).tolist() == list(range(8))
             started = time.monotonic()
-            with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) was ended by SIGKILL.*loading batch 1 of "
+            with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) is killed by signal: Killed \(SIGKILL\).*loading batch 1 of "
                                                                 r"epoch 0 for loader"):
                 next(it)
             assert time.monotonic() - started < 2.0  # promptly, not after its timeout
