@@ -72,7 +72,8 @@ class InProcess:
     slots: SlotPool | None = None
 
     def __init__(self, config: LoaderConfig, payload: Payload) -> None:
-        self._registration = Registration(dataset=payload.parts[0], batchify_fn=payload.parts[1])
+        self._registration = Registration(dataset=payload.parts[0], batchify_fn=payload.parts[1],
+                                          base_seed=payload.base_seed)
         self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> _Deferred:

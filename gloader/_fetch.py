@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from . import _registry
+from ._datapipes import begin_datapipe_epoch, is_datapipe
 from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
 from ._rows import load_rows
 from ._seed import derive_sample_seed
@@ -256,7 +257,7 @@ def _fetch_rest(load: Callable[[Any], Any], keys: list[Any], samples: list[Any],
 
 
 def _next_shard_samples(streams: dict[int, tuple[int, Any]], loader_id: int, epoch: int, dataset: Any,
-                        batch_size: int) -> tuple[list[Any] | None, bool]:
+                        batch_size: int, base_seed: int) -> tuple[list[Any] | None, bool]:
     """The next samples of this worker's shard in `epoch` (None once it is exhausted), and
     whether this call began the shard (a replacement for a dead worker begins it again).
 
@@ -265,6 +266,8 @@ def _next_shard_samples(streams: dict[int, tuple[int, Any]], loader_id: int, epo
     state = streams.get(loader_id)
     began = state is None or state[0] != epoch
     if state is None or began:
+        if is_datapipe(dataset):
+            begin_datapipe_epoch(dataset, base_seed, epoch)
         state = (epoch, iter(dataset))  # the dataset finds its shard through get_worker_info()
     stream = state[1]
     if stream is None:
@@ -289,7 +292,8 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: 
     """
     started = time.monotonic()
     if isinstance(work, StreamRequest):
-        found, began = _next_shard_samples(streams, loader_id, epoch, registration.dataset, work.batch_size)
+        found, began = _next_shard_samples(streams, loader_id, epoch, registration.dataset, work.batch_size,
+                                           registration.base_seed)
         if found is None or (len(found) < work.batch_size and not work.keep_last):
             return ShardEnd(worker_id)
         samples = found

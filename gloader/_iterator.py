@@ -267,8 +267,8 @@ class EpochIterator:
                  "gloader.get_worker_info()), or every sample comes num_workers times." if workers > 1 else "")
         # "but N samples have been fetched. For multiprocessing data-loading" are torch's words, which
         # warning filters written for torch match.
-        warnings.warn(f"len(loader) was taken from len(dataset)={reported}, but by batch {self.yielded} of epoch "
-                      f"{self.epoch.number}, {samples} samples have been fetched.{cause}", UserWarning, stacklevel=3)
+        warnings.warn(f"len(loader) was taken from len(dataset)={reported}, but {samples} samples have been fetched."
+                      f"{cause} Seen at batch {self.yielded} of epoch {self.epoch.number}.", UserWarning, stacklevel=3)
 
     def _host_batch(self) -> Any:
         if not self._config.pin_thread:

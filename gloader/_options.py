@@ -25,6 +25,7 @@ from ._checks import (
     check_start_method,
     is_int,
 )
+from ._datapipes import is_datapipe, turn_on_datapipe_shuffle
 from ._math import ceil_div
 from ._pool import WorkerPool
 from ._protocol import StreamRequest
@@ -293,7 +294,7 @@ def _plan_batches(dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, las
     fn = EachSample(batchify_fn) if unbatched else (batchify_fn or default_batchify_fn)
     size = 1 if unbatched else batch_size
     if is_stream:
-        stream = _check_stream(size, shuffle, sampler, last_batch, batch_sampler)
+        stream = _check_stream(dataset, size, shuffle, sampler, last_batch, batch_sampler)
         return _BatchPlan(None, stream, fn, None if unbatched else stream.batch_size, None,
                           not stream.keep_last, _stream_batches(dataset, stream))
     batches = _build_batch_sampler(dataset, size, shuffle, sampler, last_batch, batch_sampler,
@@ -331,10 +332,13 @@ def _take_pool_settings(pool: Any, num_workers: Any, thread_pool: Any,
     return pool.num_workers, pool.thread_pool, pool.start_method
 
 
-def _check_stream(batch_size: Any, shuffle: Any, sampler: Any, last_batch: Any,
+def _check_stream(dataset: Any, batch_size: Any, shuffle: bool, sampler: Any, last_batch: Any,
                   batch_sampler: Any) -> StreamRequest:
-    if shuffle or sampler is not None or batch_sampler is not None:
-        raise ValueError("an IterableDataset has no indices: shuffle, sampler and batch_sampler are not allowed")
+    if sampler is not None or batch_sampler is not None or (shuffle and not is_datapipe(dataset)):
+        raise ValueError("an IterableDataset has no indices: shuffle, sampler and batch_sampler are not allowed "
+                         "(shuffle=True is, for a torch IterDataPipe: it turns on the graph's shuffle steps)")
+    if shuffle:
+        turn_on_datapipe_shuffle(dataset)
     size = check_positive_int("batch_size", batch_size)
     mode = check_last_batch(last_batch)
     if mode == "rollover":

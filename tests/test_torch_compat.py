@@ -138,6 +138,31 @@ def test_torch_iterable_dataset_is_a_stream_in_a_fixed_worker_order_with_torchs_
         DataLoader(_data.TorchShardedStream(4), batch_sampler=[[0, 1]])
 
 
+def _datapipe(n: int, shuffled: bool) -> Any:
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(n))
+    return (pipe.shuffle(buffer_size=n) if shuffled else pipe).sharding_filter()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_datapipe_is_sharded_between_workers_and_shuffled_by_the_loader(workers: int) -> None:
+    with DataLoader(_datapipe(40, shuffled=False), batch_size=4, num_workers=workers) as loader:
+        assert sorted(torch.cat(list(loader)).tolist()) == list(range(40))  # each worker keeps its share only
+    with DataLoader(_datapipe(40, shuffled=True), batch_size=None, num_workers=workers, shuffle=True) as loader:
+        epochs = [list(loader), list(loader)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(40))  # one order split between the shards
+    assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0])  # a new order each epoch
+    orders = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        with DataLoader(_datapipe(40, shuffled=True), batch_size=None, num_workers=workers, shuffle=True) as loader:
+            orders.append([list(loader), list(loader)])
+    assert orders[0] == orders[1]  # torch.manual_seed reproduces every epoch's order
+    with pytest.raises(ValueError, match="shuffle=True is, for a torch IterDataPipe"):
+        DataLoader(_data.TorchShardedStream(4), shuffle=True)
+
+
 def test_torch_chain_and_sum_of_datasets_work() -> None:
     chained = torch.utils.data.ChainDataset([_data.TorchShardedStream(3), _data.TorchShardedStream(2)])
     assert torch.cat(list(DataLoader(chained, batch_size=2))).tolist() == [0, 1, 2, 0, 1]
