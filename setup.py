@@ -11,7 +11,7 @@ setup(
     package_data={"gloader": ["py.typed"]},
     python_requires=">=3.10",
     install_requires=[
-        "numpy>=1.24",
+        "numpy>=1.23",
         # A range that the local CPU build 2.13 satisfies; .ci/run installs that build first
         # so pip never reaches for a multi-GB CUDA wheel.
         "torch>=2.1,<3",

@@ -28,6 +28,17 @@ __all__ = ["Append", "AsList", "Dict", "Group", "List", "NamedTuple", "Pad", "St
 
 _T = TypeVar("_T")
 
+# np.stack takes `casting` from numpy 1.24; before it (MXNet 1.9 pins numpy below 1.24, so a
+# Gluon user moving over may have one), the same fill is a concatenation of 1-row views.
+_STACK_CASTS = np.lib.NumpyVersion(np.__version__) >= "1.24.0"
+
+
+def _stack_into(arrays: Sequence[Any], target: np.ndarray, cast: Any) -> None:
+    if _STACK_CASTS:
+        np.stack(arrays, axis=0, out=target, casting=cast)
+    else:
+        np.concatenate([a[np.newaxis] for a in arrays], axis=0, out=target, casting=cast)
+
 
 def _alloc_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
@@ -219,7 +230,7 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf | Opaqu
         target = out.numpy()
         try:
             if not concatenates:
-                np.stack(arrays, axis=0, out=target, casting=cast)
+                _stack_into(arrays, target, cast)
                 return
             np.concatenate(arrays, axis=0, out=target.reshape((-1,) + first_shape[1:]), casting=cast)
         except ValueError:

@@ -318,6 +318,20 @@ def test_a_field_of_several_dtypes_is_promoted_as_torchs_default_collate_does(fi
             assert got.dtype == expected.dtype and torch.equal(got, expected), (batchify, samples)
 
 
+def test_numpy_without_casting_in_stack_batches_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy before 1.24 (which MXNet 1.9 needs) has no casting= in np.stack; its fill by
+    concatenation gives the same batches, promoted dtypes included."""
+    import gloader.batchify
+
+    monkeypatch.setattr(gloader.batchify, "_STACK_CASTS", False)
+    cases = [*_MIXED_DTYPES, (np.float32(1.5), np.float32(2.5)), (np.int64(3), np.int64(4))]
+    for first, other in cases:
+        for samples in ([first, other], [other, first, first]):
+            expected = torch.utils.data.default_collate(samples)
+            got = default_batchify_fn(samples)
+            assert got.dtype == expected.dtype and torch.equal(got, expected), samples
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_workers, threads", [(0, False), (2, False), (2, True)],
                          ids=["in-process", "processes", "threads"])
