@@ -87,6 +87,9 @@ class InProcess:
     def worker_pids(self) -> list[int]:
         return []
 
+    def worker_processes(self) -> list[Any]:
+        return []
+
     def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
         pass
 
@@ -108,6 +111,9 @@ class OnPool:
 
     def worker_pids(self) -> list[int]:
         return self.core.worker_pids()
+
+    def worker_processes(self) -> list[Any]:
+        return self.core.worker_processes()
 
     def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
         try:

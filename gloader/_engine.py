@@ -399,6 +399,10 @@ class Engine:
         """Pids of the worker processes now running for this loader."""
         return self._backend.worker_pids() if self._backend is not None else []
 
+    def worker_processes(self) -> list[Any]:
+        """The worker processes now running for this loader, by worker id."""
+        return self._backend.worker_processes() if self._backend is not None else []
+
     def shared_memory_bytes(self) -> int:
         slots = self._backend.slots if self._backend is not None else None
         return slots.in_use_bytes() if slots is not None else 0

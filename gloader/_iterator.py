@@ -200,6 +200,13 @@ class EpochIterator:
         return self
 
     @property
+    def _workers(self) -> list[Any]:
+        """The loader's worker processes now, by worker id (none for threads or in-process):
+        torch's iterator has this private list, and tools and tests read it for pids and to
+        join the workers once the loader is gone."""
+        return self._engine.worker_processes()
+
+    @property
     def yielded(self) -> int:
         return self.position.yielded
 

@@ -104,6 +104,41 @@ def describe_exit(exitcode: int) -> str:
             "or the batchify function, or an exit of the interpreter from native code")
 
 
+class WorkerProcess:
+    """A worker process as torch's iterator lists them (`it._workers`): `pid`, `exitcode`,
+    `is_alive()`, `join(timeout)` and `terminate()`, which keep answering after the pool has
+    closed the process object to release its descriptors."""
+
+    def __init__(self, process: Any, exit_codes: dict[int, int]) -> None:
+        self._process = process
+        self._exit_codes = exit_codes  # the pool's record of the processes it closed
+        self.pid: int = process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        try:
+            return self._process.exitcode  # type: ignore[no-any-return]
+        except ValueError:  # closed: it had ended
+            return self._exit_codes.get(self.pid)
+
+    def is_alive(self) -> bool:
+        try:
+            return bool(self._process.is_alive())
+        except ValueError:
+            return False
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(ValueError):
+            self._process.join(timeout)
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ValueError):
+            self._process.terminate()
+
+    def __repr__(self) -> str:
+        return f"<gloader worker process pid={self.pid} exitcode={self.exitcode}>"
+
+
 @dataclasses.dataclass
 class _Death:
     """A worker's death, noticed and not yet reported."""
@@ -173,6 +208,10 @@ class PoolCore:
 
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes (none for threads)."""
+        return []
+
+    def worker_processes(self) -> list[Any]:
+        """The worker processes, by worker id (none for threads)."""
         return []
 
     def find_dead_worker(self, loader_id: int | None = None) -> str | None:
@@ -301,6 +340,7 @@ class ProcessCore(PoolCore):
         self._ended: list[Any] = []  # worker processes seen dead: their sentinels close with the pool
         self._killed: set[Any] = set()  # worker processes killed on purpose: no death to report
         self._deaths: list[_Death] = []  # noticed, not reported yet
+        self._exit_codes: dict[int, int] = {}  # pid -> exit code of the processes closed (see WorkerProcess)
         super().__init__(num_workers, start_method, registrations)
 
     def _start(self, ctx: Any, registrations: list[tuple[int, Payload]]) -> None:
@@ -340,6 +380,13 @@ class ProcessCore(PoolCore):
     def worker_pids(self) -> list[int]:
         return [p.pid for p in pool_workers(self.pool)]
 
+    def worker_processes(self) -> list[Any]:
+        processes = pool_workers(self.pool)
+        if self.status is not None:
+            ids = {p.pid: self.status.worker_id(p.pid) for p in processes}
+            processes.sort(key=lambda p: (ids[p.pid] is None, ids[p.pid] or 0))  # one not yet started last
+        return [WorkerProcess(p, self._exit_codes) for p in processes]
+
     def find_dead_worker(self, loader_id: int | None = None) -> str | None:
         """Describe a worker process that has died, once, to the loader it concerns; or None.
 
@@ -376,7 +423,7 @@ class ProcessCore(PoolCore):
         ended = [p for p in self._ended if p in current]
         for process in self._ended:
             if process not in ended:
-                process.close()
+                self._close_process(process)
         self._ended = ended + dead
         for process in dead:
             code = process.exitcode
@@ -498,7 +545,12 @@ class ProcessCore(PoolCore):
         pool = self.pool
         for process in {*self._ended, *self._watched, *pool.started, *pool_workers(pool)}:
             if process.exitcode is not None:
-                process.close()
+                self._close_process(process)
+
+    def _close_process(self, process: Any) -> None:
+        """Release an ended process's descriptors, keeping its exit code for `WorkerProcess`."""
+        self._exit_codes[process.pid] = process.exitcode
+        process.close()
 
 
 def make_core(num_workers: int, is_thread: bool, start_method: str | None,

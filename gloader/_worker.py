@@ -123,6 +123,13 @@ class StatusTable:
             return worker_id, row
         raise RuntimeError("internal error: every worker id is held by a live process")
 
+    def worker_id(self, pid: int) -> int | None:
+        """The worker id that process `pid` claimed, or None before it claimed one."""
+        for row in range(self.rows):
+            if self._array[row * self.FIELDS + self._PID] == pid:
+                return row // self.ROWS_PER_WORKER
+        return None
+
     def has_started(self, pid: int) -> bool:
         return any(self._array[row * self.FIELDS + self._PID] == pid for row in range(self.rows))
 

@@ -163,6 +163,26 @@ def test_a_datapipe_is_sharded_between_workers_and_shuffled_by_the_loader(worker
         DataLoader(_data.TorchShardedStream(4), shuffle=True)
 
 
+def test_the_iterators_workers_list_is_torchs_and_its_processes_end_with_code_0() -> None:
+    import gc
+
+    loader = DataLoader(_data.WhoLoads(), batch_size=2, num_workers=2)
+    it = iter(loader)
+    ids_and_pids = [row[:2] for row in torch.cat(list(it)).tolist()]  # (worker id, pid) of each sample
+    workers = it._workers
+    assert sorted(w.pid for w in workers) == sorted(loader.worker_pids())
+    assert all(workers[worker_id].pid == pid for worker_id, pid in ids_and_pids)  # listed by worker id
+    assert all(w.is_alive() and w.exitcode is None for w in workers)
+    with pytest.warns(ResourceWarning, match="garbage-collected without close"):
+        del it, loader  # the workers go with the loader, as torch's go with the iterator
+        gc.collect()
+    for w in workers:
+        w.join(10.0)
+    assert [(w.is_alive(), w.exitcode) for w in workers] == [(False, 0), (False, 0)]  # after the pool closed them
+    with DataLoader(np.arange(4), batch_size=2, num_workers=2, thread_pool=True) as threads:
+        assert iter(threads)._workers == []
+
+
 def test_torch_chain_and_sum_of_datasets_work() -> None:
     chained = torch.utils.data.ChainDataset([_data.TorchShardedStream(3), _data.TorchShardedStream(2)])
     assert torch.cat(list(DataLoader(chained, batch_size=2))).tolist() == [0, 1, 2, 0, 1]
