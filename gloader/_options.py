@@ -140,6 +140,10 @@ class LoaderConfig:
         plan = _plan_batches(dataset, batch_size, shuffle, sampler, last_batch, batch_sampler, base_seed,
                              batchify_fn)
         thread = check_flag("thread_pool", thread_pool)
+        if thread and workers > 1 and is_datapipe(dataset):
+            raise ValueError(f"a torch IterDataPipe allows one iterator at a time, and thread workers share one "
+                             f"dataset: thread_pool=True with num_workers={workers} would read it from {workers} "
+                             "threads at once; use process workers (thread_pool=False) or num_workers=1")
         fetch = _check_fetch_threads(fetch_threads, workers, thread, plan.stream is not None)
         _warn_about_setup(workers, plan.sampler, plan.stream is not None)
         # Dispatch the next epoch's first batches before the caller asks only when this loader

@@ -161,6 +161,10 @@ def test_a_datapipe_is_sharded_between_workers_and_shuffled_by_the_loader(worker
     assert orders[0] == orders[1]  # torch.manual_seed reproduces every epoch's order
     with pytest.raises(ValueError, match="shuffle=True is, for a torch IterDataPipe"):
         DataLoader(_data.TorchShardedStream(4), shuffle=True)
+    with pytest.raises(ValueError, match="IterDataPipe allows one iterator at a time.*num_workers=2"):
+        DataLoader(_datapipe(8, shuffled=False), num_workers=2, thread_pool=True)
+    with DataLoader(_datapipe(8, shuffled=False), batch_size=4, num_workers=1, thread_pool=True) as one_thread:
+        assert torch.cat(list(one_thread)).tolist() == list(range(8))
 
 
 def test_the_iterators_workers_list_is_torchs_and_its_processes_end_with_code_0() -> None:
