@@ -201,9 +201,10 @@ class EpochIterator:
 
     @property
     def _workers(self) -> list[Any]:
-        """The loader's worker processes now, by worker id (none for threads or in-process):
-        torch's iterator has this private list, and tools and tests read it for pids and to
-        join the workers once the loader is gone."""
+        """The loader's worker processes, by worker id (none for threads or in-process), started
+        here if the first batch has not started them: torch's iterator has this private list from
+        its start, and tools and tests read it for pids and to join the workers once the loader
+        is gone."""
         return self._engine.worker_processes()
 
     @property

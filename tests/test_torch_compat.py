@@ -172,6 +172,7 @@ def test_the_iterators_workers_list_is_torchs_and_its_processes_end_with_code_0(
 
     loader = DataLoader(_data.WhoLoads(), batch_size=2, num_workers=2)
     it = iter(loader)
+    assert len(it._workers) == 2  # there from the start, as torch's are
     ids_and_pids = [row[:2] for row in torch.cat(list(it)).tolist()]  # (worker id, pid) of each sample
     workers = it._workers
     assert sorted(w.pid for w in workers) == sorted(loader.worker_pids())
