@@ -312,6 +312,8 @@ def _plan_default(samples: Sequence[Any]) -> Any:
                                       f"{sorted(lengths)}") from None
         fields = [_plan_default(column) for column in columns]
         return type(first)(*fields) if hasattr(first, "_fields") else fields  # a namedtuple stays one
+    if hasattr(first, "asnumpy"):  # MXNet NDArrays, as Gluon's datasets return: batched as their numpy arrays
+        return _plan_default([item.asnumpy() if hasattr(item, "asnumpy") else item for item in samples])
     return Opaque(list(samples))
 
 
@@ -322,7 +324,8 @@ def default_batchify_fn(samples: list[Any]) -> Any:
     floats become bool, int64 and float64 tensors (mixed freely); strings, bytes, numpy string
     scalars and string arrays stay a list; a namedtuple sample becomes the same namedtuple of
     batched fields, any other sequence sample a list of batched fields, and a dict sample a
-    dict of batched fields, recursively. Nested tensors stay a list.
+    dict of batched fields, recursively. Nested tensors stay a list. MXNet NDArrays (any object
+    with an `asnumpy()` method) are batched as the arrays that method returns.
 
     Args:
         samples: the samples of one batch.

@@ -615,6 +615,27 @@ class MeetAtBarrier(gloader.Dataset):
         return os.getpid()
 
 
+class FakeNDArray:
+    """Stands in for an MXNet NDArray, which Gluon's datasets return: its data is reachable
+    through `asnumpy()` only (no array protocol)."""
+
+    def __init__(self, array: Any) -> None:
+        self._array = np.asarray(array)
+
+    def asnumpy(self) -> np.ndarray:
+        return self._array.copy()
+
+
+class GluonImages(gloader.Dataset):
+    """(image, label) as Gluon's vision datasets give them: the image an NDArray."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, idx: int) -> Any:
+        return FakeNDArray(np.full((2, 3), idx, np.uint8)), idx
+
+
 class PinnableBatch:
     """A batch class of the user's own, built by its batchify function, as in torch's docs: its
     `pin_memory()` pins its tensor and records that the loader called it."""

@@ -36,6 +36,19 @@ def test_default_stacks_arrays_and_tensors_keeping_dtype() -> None:
     assert out.dtype == torch.bfloat16 and out.tolist() == [[0, 0], [1, 1]]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_mxnet_ndarrays_from_gluon_datasets_batch_as_their_arrays(num_workers: int) -> None:
+    from tests import _data
+
+    with DataLoader(_data.GluonImages(), batch_size=4, num_workers=num_workers) as loader:
+        batches = list(loader)
+    images, labels = batches[1]
+    assert images.dtype == torch.uint8 and images.shape == (4, 2, 3) and images[:, 0, 0].tolist() == [4, 5, 6, 7]
+    assert labels.tolist() == [4, 5, 6, 7]
+    assert default_batchify_fn([_data.FakeNDArray([1.5]), np.array([2.5])]).tolist() == [[1.5], [2.5]]
+
+
 def test_default_recurses_into_tuples_and_dicts() -> None:
     out = default_batchify_fn([(np.array([1]), {"k": 1.5, "s": "a"}), (np.array([2]), {"k": 2.5, "s": "b"})])
     assert isinstance(out, list) and out[0].tolist() == [[1], [2]]
