@@ -400,8 +400,9 @@ class Engine:
         return self._backend.worker_pids() if self._backend is not None else []
 
     def worker_processes(self) -> list[Any]:
-        """The worker processes of this loader, by worker id; they start here if they had not."""
-        return self._running().worker_processes()
+        """The worker processes of this loader, by worker id; they start here if they had not
+        (none once the loader is closed)."""
+        return [] if self._closed else self._running().worker_processes()
 
     def shared_memory_bytes(self) -> int:
         slots = self._backend.slots if self._backend is not None else None

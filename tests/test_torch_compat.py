@@ -186,6 +186,9 @@ def test_the_iterators_workers_list_is_torchs_and_its_processes_end_with_code_0(
     assert [(w.is_alive(), w.exitcode) for w in workers] == [(False, 0), (False, 0)]  # after the pool closed them
     with DataLoader(np.arange(4), batch_size=2, num_workers=2, thread_pool=True) as threads:
         assert iter(threads)._workers == []
+    with DataLoader(np.arange(4), batch_size=2, num_workers=2) as closing:
+        it = iter(closing)
+    assert it._workers == []  # closed: none, and none started
 
 
 def test_torch_chain_and_sum_of_datasets_work() -> None:
