@@ -85,6 +85,8 @@ class LoaderConfig:
     own_shuffle: bool = False
     # Threads each worker fetches a batch's samples with (None: the worker's own thread).
     fetch_threads: int | str | None = None
+    # Why the loader has num_workers workers (num_workers='auto', as given, or a pool's), for stats().
+    workers_chosen: str = ""
 
     @property
     def device_reads_slots(self) -> bool:
@@ -122,6 +124,9 @@ class LoaderConfig:
             num_workers, thread_pool, start_method = _take_pool_settings(pool, num_workers, thread_pool,
                                                                          start_method)
         workers = _check_num_workers(num_workers)
+        chosen = ("the workers of the WorkerPool given as pool=" if pool is not None else
+                  "num_workers='auto': one per CPU this process may use, counted when the loader was built"
+                  if num_workers == "auto" else "num_workers as given")
         method = check_start_method(start_method)
         persistent = check_flag("persistent_workers", persistent_workers, none_means=False)
         _check_worker_options(workers, method, persistent, prefetch, prefetch_factor)
@@ -162,7 +167,7 @@ class LoaderConfig:
                    persistent_workers=persistent,
                    mp_context=None if isinstance(multiprocessing_context, str) else multiprocessing_context,
                    own_shuffle=bool(shuffle) and sampler is None and batch_sampler is None and plan.stream is None,
-                   fetch_threads=fetch)
+                   fetch_threads=fetch, workers_chosen=chosen)
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:

@@ -132,9 +132,10 @@ class ProgressBar:
     """A one-line progress bar on stderr: batches done, batches/s and the share of time the
     caller waited for input. Shown only because the user asked for it (`progress=True`)."""
 
-    def __init__(self, epoch: int, total: int | None) -> None:
+    def __init__(self, epoch: int, total: int | None, workers: int = 0) -> None:
         self._epoch = epoch
         self._total = total
+        self._workers = workers
         self._done = 0
         self._started = time.perf_counter()
         self._drawn = 0.0
@@ -158,4 +159,5 @@ class ProgressBar:
             bar = f"[{'#' * filled}{'.' * (width - filled)}] {self._done}/{self._total}"
         else:
             bar = f"{self._done} batches"
-        write_status(f"epoch {self._epoch} {bar} {rate:.1f} batches/s, waited {waited_fraction:.0%}", last)
+        workers = f", {self._workers} workers" if self._workers else ""
+        write_status(f"epoch {self._epoch} {bar} {rate:.1f} batches/s, waited {waited_fraction:.0%}{workers}", last)

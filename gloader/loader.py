@@ -428,10 +428,15 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             (queued until a worker began it), `worker_fetch_s` (getting samples, transforms
             included), `worker_batchify_s`, `return_s` (the finished batch's trip back),
             `window_s` (finished, waiting for you to ask) and `handover_s` (turning it into
-            tensors here). With fetch_threads, also "fetch_threads": {worker id: threads its
-            latest batch was fetched with}.
+            tensors here). "workers": {"count", "kind" ('processes', 'threads' or 'in-process'),
+            "chosen_by": why the loader has that many}. With fetch_threads, also "fetch_threads":
+            {worker id: threads its latest batch was fetched with}.
         """
         snapshot = self._stats.snapshot(self._engine.in_flight, self._engine.shared_memory_bytes())
+        opts = self._options
+        snapshot["workers"] = {"count": opts.num_workers, "chosen_by": opts.workers_chosen,
+                               "kind": "in-process" if opts.num_workers == 0 else
+                               "threads" if opts.thread_pool else "processes"}
         if self._options.fetch_threads is not None:
             snapshot["fetch_threads"] = dict(self._engine.fetch_threads)
         return snapshot

@@ -75,11 +75,27 @@ def test_stats_split_each_batch_into_the_hops_of_its_trip(mode: dict) -> None:
         assert slow_caller["window_s"] > slow_caller["worker_fetch_s"] + slow_caller["worker_batchify_s"]
 
 
+def test_stats_say_how_many_workers_of_what_kind_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gloader._options
+
+    monkeypatch.setattr(gloader._options, "usable_cpus", lambda: 3)
+    with DataLoader(np.arange(8), batch_size=4, num_workers="auto") as auto:
+        assert auto.stats()["workers"] == {"count": 3, "kind": "processes", "chosen_by": (
+            "num_workers='auto': one per CPU this process may use, counted when the loader was built")}
+    with DataLoader(np.arange(8), batch_size=4, num_workers=2, thread_pool=True) as threads, \
+            DataLoader(np.arange(8), batch_size=4) as in_process, gloader.WorkerPool(2) as pool, \
+            DataLoader(np.arange(8), batch_size=4, pool=pool) as shared:
+        assert threads.stats()["workers"] == {"count": 2, "kind": "threads", "chosen_by": "num_workers as given"}
+        assert in_process.stats()["workers"]["kind"] == "in-process"
+        assert shared.stats()["workers"] == {"count": 2, "kind": "processes",
+                                             "chosen_by": "the workers of the WorkerPool given as pool="}
+
+
 def test_progress_bar_reports_batches_and_rate(capsys: pytest.CaptureFixture[str]) -> None:
     with DataLoader(np.arange(40), batch_size=4, num_workers=2, progress=True) as loader:
         list(loader)
     err = capsys.readouterr().err
-    assert "epoch 0" in err and "10/10" in err and "batches/s" in err and "waited" in err
+    assert "epoch 0" in err and "10/10" in err and "batches/s" in err and "waited" in err and ", 2 workers" in err
     assert "\r" not in err and err.endswith("\n")  # captured stderr is no terminal: whole lines only
 
 
