@@ -89,6 +89,11 @@ class LoaderConfig:
     workers_chosen: str = ""
 
     @property
+    def worker_kind(self) -> str:
+        """'in-process', 'threads' or 'processes'."""
+        return "in-process" if self.num_workers == 0 else "threads" if self.thread_pool else "processes"
+
+    @property
     def device_reads_slots(self) -> bool:
         """Batches reach a CUDA device straight from their page-locked shared-memory slots
         (process workers and a device): no pinning copy, so no pin thread either."""

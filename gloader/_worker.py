@@ -131,7 +131,7 @@ class StatusTable:
         return None
 
     def has_started(self, pid: int) -> bool:
-        return any(self._array[row * self.FIELDS + self._PID] == pid for row in range(self.rows))
+        return self.worker_id(pid) is not None
 
     def doing(self, pid: int) -> tuple[int, int, int] | None:
         """(loader id, epoch, batch index) that worker `pid` was loading, or None when idle."""

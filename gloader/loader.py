@@ -434,9 +434,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         """
         snapshot = self._stats.snapshot(self._engine.in_flight, self._engine.shared_memory_bytes())
         opts = self._options
-        snapshot["workers"] = {"count": opts.num_workers, "chosen_by": opts.workers_chosen,
-                               "kind": "in-process" if opts.num_workers == 0 else
-                               "threads" if opts.thread_pool else "processes"}
+        snapshot["workers"] = {"count": opts.num_workers, "kind": opts.worker_kind, "chosen_by": opts.workers_chosen}
         if self._options.fetch_threads is not None:
             snapshot["fetch_threads"] = dict(self._engine.fetch_threads)
         return snapshot
@@ -447,8 +445,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
     def __repr__(self) -> str:
         opts = self._options
-        kind = "in-process" if opts.num_workers == 0 else (
-            f"{opts.num_workers} {'threads' if opts.thread_pool else 'processes'}")
+        kind = opts.worker_kind if opts.num_workers == 0 else f"{opts.num_workers} {opts.worker_kind}"
         return f"DataLoader(id={self._id}, {kind}, prefetch={opts.prefetch}, {'closed' if self._closed else 'open'})"
 
 

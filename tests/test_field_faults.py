@@ -282,7 +282,8 @@ def test_a_stream_epoch_whose_shard_never_answers_times_out_instead_of_spinning(
     batches = _StreamBatches(engine, schedule, schedule.open(), PipelineStats(), timeout_s=0.2,  # type: ignore[arg-type]
                              in_order=True)
     started = time.monotonic()
-    with pytest.raises(gloader.BatchTimeoutError, match="shard 1 neither sent a batch nor ended"):
+    with pytest.raises(gloader.BatchTimeoutError, match=r"^DataLoader timed out after 0.2 seconds: stream epoch 0 .*"
+                                                        "shard 1 neither sent a batch nor ended"):
         batches.next()
     assert 0.2 <= time.monotonic() - started < 5.0 and engine.discarded == [0]
 
