@@ -127,7 +127,10 @@ class OnPool:
                 self.slots.close()
 
 
-def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], Payload]) -> Backend:
+def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], Payload],
+          workers: int | None = None) -> Backend:
+    """Where the loader's tasks run: `workers` processes or threads to start with (default
+    num_workers; a tuned count, see `_tuning`), or in-process."""
     if config.num_workers == 0:
         return InProcess(config, make_payload(False))
     import multiprocess
@@ -138,8 +141,8 @@ def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], P
         core.join(loader_id, make_payload(not config.thread_pool))
     else:
         pickled = not config.thread_pool and start_method != "fork"
-        core = make_core(config.num_workers, config.thread_pool, config.start_method,
-                        [(loader_id, make_payload(pickled))])
+        core = make_core(workers or config.num_workers, config.thread_pool, config.start_method,
+                         [(loader_id, make_payload(pickled))], config.most_workers)
     # With a CUDA device, slots are page-locked for it: the device stage copies a batch straight
     # from its slot, with no copy into pinned memory first (see _device.register_for_device).
     register = (functools.partial(register_for_device, config.device)
@@ -149,7 +152,7 @@ def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], P
     # the next one makes again (W2 batches with the pin thread: 23 new slots in 192 batches).
     spare = _SPARE_SLOTS + (PIN_THREAD_HOLDS if config.pin_thread else 0) + \
         (DEVICE_STAGE_HOLDS if config.device is not None else 0)
-    slots = None if config.thread_pool else SlotPool(spare, config.prefetch + spare + _HELD_WITH_DESCRIPTOR, register)
+    slots = None if config.thread_pool else SlotPool(spare, config.most_prefetch + spare + _HELD_WITH_DESCRIPTOR, register)
     return OnPool(core, config.pool is None, loader_id, slots)
 
 

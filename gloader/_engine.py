@@ -64,6 +64,7 @@ from ._sizing import TASK_KEY_BYTES, TaskSizer, key_bytes
 from ._snapshot import Picture, first_difference, picture
 from ._task import Task
 from ._transport import SlotPool
+from ._tuning import Tuner
 
 __all__ = ["Collected", "Engine"]
 
@@ -75,6 +76,11 @@ logger = logging.getLogger(__name__)
 # Longer: fewer wake-ups; shorter: a dead worker is reported sooner (the error reaches the
 # caller within about this plus stopping the other workers, ~10 ms: under 60 ms at 0.04).
 _POLL_S = 0.04
+# How often, at most, a tuned loader looks whether a resize of its pool is done (a look scans
+# the status table). Shorter: the next window opens sooner after a resize; longer: less cost.
+_READY_POLL_S = 0.05
+
+
 class Collected(NamedTuple):
     """A collected batch (or a stream's `ShardEnd`) with where its time went, in seconds:
     `timings` maps each hop (`_stats.HOPS`) to its duration; empty for a `ShardEnd`."""
@@ -116,6 +122,32 @@ class Engine:
         self._closed = False  # close() ran: no workers start again
         self._helpers: weakref.WeakSet[Any] = weakref.WeakSet()  # threads fetching through this engine
         self.fetch_threads: dict[int, int] = {}  # worker id -> threads its latest batch was fetched with
+        # num_workers='auto' on the loader's own process pool: the count follows what it measures.
+        self.tuner = (Tuner(config.num_workers, config.most_workers, config.cpu_budget or 1.0, config.memory_budget,
+                            config.prefetch / config.num_workers) if config.tunes_workers else None)
+        self._ready_looked = 0.0  # when the tuner last looked whether a resize is done
+
+    @property
+    def worker_count(self) -> int:
+        """Workers the loader keeps now (its tuned count with num_workers='auto')."""
+        return self.tuner.count if self.tuner is not None else self._config.num_workers
+
+    def describe_workers(self) -> str:
+        """The workers for the progress bar: "4 workers", with the latest change of a tuned count
+        ("4 workers, grew from 2"); "" without workers."""
+        count = self.worker_count
+        if not count:
+            return ""
+        text = f"{count} workers"
+        if self.tuner is not None and self.tuner.changes:
+            change = self.tuner.changes[-1]
+            text += f", {change['why'].split(',')[0]} from {change['from']}"
+        return text
+
+    @property
+    def window(self) -> int:
+        """Most tasks in flight (following a tuned worker count)."""
+        return self.tuner.window if self.tuner is not None else self._config.prefetch
 
     @property
     def in_flight(self) -> int:
@@ -134,7 +166,9 @@ class Engine:
         if self._backend is None:
             if self._closed:
                 raise RuntimeError("this DataLoader is closed; create a new one")
-            self._backend = start(self._config, self._loader_id, self._make_payload)
+            self._backend = start(self._config, self._loader_id, self._make_payload, self.worker_count)
+            if self.tuner is not None:
+                self.tuner.resized()
             if isinstance(self._backend, OnPool) and not self._config.thread_pool \
                     and not self._config.persistent_workers:  # torch's persistent workers keep their copy
                 self._dataset_picture = picture(self._config.dataset)
@@ -168,12 +202,13 @@ class Engine:
 
     def fill(self, next_job: Callable[[], Job | None]) -> None:
         """Dispatch jobs from `next_job` until the window is full or it has none."""
-        if len(self._tasks) >= self._config.prefetch:
+        window = self.window
+        if len(self._tasks) >= window:
             return  # called after every batch collected: usually the window is still full
         backend = self._running()
         slots = backend.slots
         per_task = self.batches_per_task()
-        while len(self._tasks) < self._config.prefetch:
+        while len(self._tasks) < window:
             first, self._held = self._held or next_job(), None
             if first is None:
                 return
@@ -212,6 +247,7 @@ class Engine:
         """
         if not self._tasks or self._tasks[0].epoch != epoch:
             return None
+        asked = time.monotonic()
         self._reap_discarded()
         task = self._tasks[0]
         if not self._has_next(task):
@@ -257,6 +293,8 @@ class Engine:
         batch = message.batch
         if message.fetch_threads:
             self.fetch_threads[message.worker_id] = message.fetch_threads
+        if self.tuner is not None:
+            self._tune(ready - asked, message.fetch_s + message.batchify_s)
         if slots is not None:
             _, _, size, _, _ = batch  # a Handle
             self._sizer.estimate(message, size)
@@ -266,6 +304,31 @@ class Engine:
                    "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
                    "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - ready}
         return Collected(batch, timings, message.worker_id, message.samples, message.shard_began)
+
+    def _tune(self, waited_s: float, worker_s: float) -> None:
+        """Count a batch collected in the tuner's window; resize the pool when it decides to."""
+        tuner, backend = self.tuner, self._backend
+        if tuner is None or not isinstance(backend, OnPool):
+            return
+        tuner.observe(waited_s, worker_s)
+        core = backend.core
+        if tuner.settling:
+            now = time.monotonic()
+            if now - self._ready_looked >= _READY_POLL_S:
+                self._ready_looked = now
+                if core.workers_ready():
+                    tuner.begin(core.worker_pids())
+            return
+        if not tuner.due():
+            return
+        before = tuner.count
+        count = tuner.decide(tuner.measure(core.worker_pids()))
+        if count is not None:
+            if core.resize(count):
+                logger.info("gloader loader %d: %d -> %d workers (%s)", self._loader_id, before, count,
+                            tuner.changes[-1]["why"])
+            else:
+                tuner.refused(before)
 
     def _finished_task(self, epoch: int) -> Task | None:
         """The first task of `epoch` in the window with an answer in (in_order=False)."""
@@ -421,6 +484,8 @@ class Engine:
         self._dataset_picture = None
         if backend is None:
             return
+        if self.tuner is not None:
+            self.tuner.resized()
         for task in self._tasks:
             _skip(task)
         self._discarded.extend(self._tasks)  # freed below: by the drain, or with every slot at close

@@ -189,7 +189,7 @@ class EpochIterator:
         self._ahead: Any = None
         self._ahead_error: BaseException | None = None
         self._replaced_by = ""
-        self._bar = ProgressBar(epoch.number, epoch.remaining, config.num_workers) if config.progress else None
+        self._bar = ProgressBar(epoch.number, epoch.remaining, engine.describe_workers) if config.progress else None
         self._config = config
         self._pinner: PinThread | None = None  # started by the first next(): a probe iter() fetches nothing
         # A stream's len(dataset) once the caller has taken len(loader) (None before): more

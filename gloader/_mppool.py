@@ -16,10 +16,10 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_TASKS_CLOSED", "ProcessLock", "disk_full", "forget_task",
-           "forget_pool_after_fork", "make_pool_class", "make_thread_pool", "on_result_sent", "on_task_taken",
-           "on_task_wanted", "pool_running", "pool_workers", "release_pool_files", "send_partial",
-           "stop_maintenance"]
+__all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_RETIRED", "EXIT_TASKS_CLOSED", "ProcessLock", "disk_full",
+           "forget_task", "forget_pool_after_fork", "make_pool_class", "make_thread_pool", "on_result_sent",
+           "on_task_taken", "on_task_wanted", "pool_resizing", "pool_running", "pool_workers", "release_pool_files",
+           "resize_pool", "send_partial", "stop_maintenance"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
@@ -53,6 +53,8 @@ _DEFAULT_PIPE_BYTES = 16 * 1024
 # rather than 0, which read as the dataset's doing (see `_pool.describe_exit`).
 EXIT_TASKS_CLOSED = 117  # its task socket was closed (or could not be read)
 EXIT_RESULTS_CLOSED = 118  # its result pipe was closed
+# The exit code of a worker that took a retire task (see resize_pool): the pool asked it to go.
+EXIT_RETIRED = 120
 
 # Run in a worker before it waits for its next task, with each task it is about to take,
 # and after each result it sends (set by its initializer); None in the caller.
@@ -333,7 +335,80 @@ def pool_running(pool: Any) -> bool:
 
 def pool_workers(pool: Any) -> list[Any]:
     """The pool's current worker processes (threads for a ThreadPool)."""
-    return list(pool._pool)
+    return [worker for worker in pool._pool if worker is not _GROW]
+
+
+class _WorkerTarget:
+    """How many workers a process pool keeps: its `processes`, which multiprocess reads as an
+    int (`processes - len(pool)` workers to start) and which `resize_pool` changes while the
+    pool runs. multiprocess hands the count to its maintenance thread once, at the start, so
+    an int could not change."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __sub__(self, other: int) -> int:
+        return self.value - other
+
+    def __lt__(self, other: int) -> bool:
+        return self.value < other
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __repr__(self) -> str:
+        return str(self.value)
+
+
+class _GrowRequest:
+    """Put in a pool's list of workers to have its maintenance thread start workers up to the
+    target: it starts new ones only after it has removed an ended worker, and this one has
+    ended. All starting stays in that one thread, so two starts never race past the target."""
+
+    exitcode = 0
+    pid = None
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+    def terminate(self) -> None:
+        pass
+
+
+_GROW = _GrowRequest()
+
+
+def _retire() -> None:
+    """A retire task: the worker that takes it exits (it holds no batch: tasks are taken one
+    at a time, so it had finished its last)."""
+    os._exit(EXIT_RETIRED)
+
+
+def pool_resizing(pool: Any) -> bool:
+    """Whether the pool's workers differ from its target: started or retired, not yet there."""
+    return _GROW in pool._pool or len(pool._pool) != pool._processes.value
+
+
+def resize_pool(pool: Any, count: int) -> int:
+    """Have a running process pool keep `count` workers from now on: the maintenance thread
+    starts the new ones, or as many idle workers as there are too many each take a retire
+    task, queued behind the tasks already queued (none is lost) and exit with EXIT_RETIRED.
+    Returns how many retire tasks were queued. Call only when `pool_resizing` is false."""
+    from multiprocess import pool as mp_pool
+
+    target: _WorkerTarget = pool._processes
+    before: int = target.value
+    target.value = count
+    if count > before:
+        pool._pool.append(_GROW)
+        pool._change_notifier.put(None)
+        return 0
+    for _ in range(before - count):  # a task no result is awaited for: the pool ignores unknown jobs
+        pool._taskqueue.put(([(next(mp_pool.job_counter), 0, _retire, (), {})], None))
+    return before - count
 
 
 def stop_maintenance(pool: Any, timeout_s: float) -> bool:
@@ -581,11 +656,11 @@ def make_pool_class() -> type:
             made.close()
             self._notifier = _CallerQueue(self._ctx)
 
-        def __init__(self, *args: Any, lock_dir: str, **kwargs: Any) -> None:
+        def __init__(self, processes: int, *args: Any, lock_dir: str, **kwargs: Any) -> None:
             self._lock_dir = lock_dir  # where the queues' lock files live; _setup_queues runs inside __init__
             # Every worker process started, replacements included, until the supervisor takes it.
             self.started: collections.deque[Any] = collections.deque()
-            super().__init__(*args, **kwargs)
+            super().__init__(_WorkerTarget(processes), *args, **kwargs)
             self._cache.__class__ = _QuietCache
 
         def Process(self, ctx: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - multiprocess's name

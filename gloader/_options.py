@@ -29,6 +29,7 @@ from ._datapipes import is_datapipe, turn_on_datapipe_shuffle
 from ._math import ceil_div
 from ._pool import WorkerPool
 from ._protocol import StreamRequest
+from ._tuning import default_memory_budget, most_workers
 from .batchify import EachSample, default_batchify_fn
 from .dataset import IterableDataset
 from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, dataset_length
@@ -87,6 +88,19 @@ class LoaderConfig:
     fetch_threads: int | str | None = None
     # Why the loader has num_workers workers (num_workers='auto', as given, or a pool's), for stats().
     workers_chosen: str = ""
+    # num_workers='auto': the CPUs the workers may keep busy and the bytes of worker memory
+    # (USS, None: no limit) the count is tuned within; None otherwise.
+    cpu_budget: float | None = None
+    memory_budget: int | None = None
+    # The most workers the loader's pool may be resized to (num_workers unless it tunes them).
+    most_workers: int = 0
+
+    @property
+    def tunes_workers(self) -> bool:
+        """num_workers='auto' on the loader's own pool of processes, for a map-style dataset:
+        the count follows what the loader measures (see `_tuning`). A stream's shards are one
+        per worker and a shared pool serves other loaders, so their count stays as picked."""
+        return self.cpu_budget is not None and self.most_workers > self.num_workers
 
     @property
     def worker_kind(self) -> str:
@@ -105,6 +119,11 @@ class LoaderConfig:
         return self.pin_memory and not self.device_reads_slots
 
     @property
+    def most_prefetch(self) -> int:
+        """Tasks in flight at the most workers (the window follows a tuned count)."""
+        return math.ceil(self.prefetch * self.most_workers / self.num_workers) if self.num_workers else self.prefetch
+
+    @property
     def prefetch_factor(self) -> int | None:
         """torch's name: batches in flight per worker (None without workers)."""
         return self.prefetch // self.num_workers if self.num_workers else None
@@ -115,7 +134,8 @@ class LoaderConfig:
               prefetch: Any, thread_pool: Any, timeout: Any, device: Any, worker_init_fn: Any, seed: Any,
               start_method: Any, pool: Any, progress: Any, collate_fn: Any = None, drop_last: Any = None,
               persistent_workers: Any = None, prefetch_factor: Any = None, multiprocessing_context: Any = None,
-              generator: Any = None, in_order: Any = True, fetch_threads: Any = None) -> LoaderConfig:
+              generator: Any = None, in_order: Any = True, fetch_threads: Any = None, cpu_budget: Any = None,
+              memory_budget: Any = None) -> LoaderConfig:
         """Check every argument and their combinations; torch's names are merged into Gluon's.
 
         Raises:
@@ -128,9 +148,10 @@ class LoaderConfig:
         if pool is not None:
             num_workers, thread_pool, start_method = _take_pool_settings(pool, num_workers, thread_pool,
                                                                          start_method)
-        workers = _check_num_workers(num_workers)
+        budget = _check_budgets(num_workers, cpu_budget, memory_budget)
+        workers = _check_num_workers(num_workers, budget[0])
         chosen = ("the workers of the WorkerPool given as pool=" if pool is not None else
-                  "num_workers='auto': one per CPU this process may use, counted when the loader was built"
+                  f"num_workers='auto': one per CPU of cpu_budget={budget[0]:g} to start"
                   if num_workers == "auto" else "num_workers as given")
         method = check_start_method(start_method)
         persistent = check_flag("persistent_workers", persistent_workers, none_means=False)
@@ -155,6 +176,8 @@ class LoaderConfig:
                              f"dataset: thread_pool=True with num_workers={workers} would read it from {workers} "
                              "threads at once; use process workers (thread_pool=False) or num_workers=1")
         fetch = _check_fetch_threads(fetch_threads, workers, thread, plan.stream is not None)
+        tunes = budget[0] is not None and pool is None and not thread and plan.stream is None and workers > 0
+        most = max(workers, most_workers(budget[0])) if tunes and budget[0] is not None else workers
         _warn_about_setup(workers, plan.sampler, plan.stream is not None)
         # Dispatch the next epoch's first batches before the caller asks only when this loader
         # built the sampler (a user's may change between epochs: DistributedSampler.set_epoch)
@@ -172,7 +195,8 @@ class LoaderConfig:
                    persistent_workers=persistent,
                    mp_context=None if isinstance(multiprocessing_context, str) else multiprocessing_context,
                    own_shuffle=bool(shuffle) and sampler is None and batch_sampler is None and plan.stream is None,
-                   fetch_threads=fetch, workers_chosen=chosen)
+                   fetch_threads=fetch, workers_chosen=chosen, cpu_budget=budget[0], memory_budget=budget[1],
+                   most_workers=most)
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:
@@ -204,15 +228,44 @@ def _context_name(context: Any) -> str | None:
     return str(get())
 
 
-def _check_num_workers(value: Any) -> int:
-    """num_workers: a non-negative int, or 'auto': one worker process per CPU this process may
-    use (picked when the loader is built; the count does not change while it runs yet)."""
+def _check_num_workers(value: Any, cpu_budget: float | None) -> int:
+    """num_workers: a non-negative int, or 'auto': to start, one worker process per CPU of the
+    budget (the count then follows what the loader measures, see `_tuning`)."""
     if value == "auto":
-        return usable_cpus()
+        return math.ceil(cpu_budget or usable_cpus())
     try:
         return check_non_negative_int("num_workers", value)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"num_workers must be a non-negative int or 'auto', got {value!r}") from None
+
+
+def _check_budgets(num_workers: Any, cpu_budget: Any, memory_budget: Any) -> tuple[float | None, int | None]:
+    """cpu_budget (CPUs, a positive number; default: the CPUs this process may use) and
+    memory_budget (bytes, a positive int; default: half the memory available now), for
+    num_workers='auto' only; (None, None) otherwise."""
+    if num_workers != "auto":
+        for name, value in (("cpu_budget", cpu_budget), ("memory_budget", memory_budget)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} bounds the workers that num_workers='auto' tunes, but "
+                                 f"num_workers={num_workers!r}; pass num_workers='auto' or leave {name} out")
+        return None, None
+    if cpu_budget is None:
+        cpus = float(usable_cpus())
+    elif isinstance(cpu_budget, bool) or not isinstance(cpu_budget, numbers.Real):
+        raise TypeError(f"cpu_budget must be a positive number of CPUs or None, got {cpu_budget!r}")
+    else:
+        cpus = float(cpu_budget)
+        if not (math.isfinite(cpus) and cpus > 0):
+            raise ValueError(f"cpu_budget must be a positive number of CPUs or None, got {cpu_budget!r}")
+    if memory_budget is None:
+        return cpus, default_memory_budget()
+    if not is_int(memory_budget):
+        raise TypeError(f"memory_budget must be a positive int (bytes of worker memory) or None, got "
+                        f"{memory_budget!r}")
+    if memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive int (bytes of worker memory) or None, got "
+                         f"{memory_budget!r}")
+    return cpus, int(memory_budget)
 
 
 def _check_fetch_threads(value: Any, workers: int, thread_pool: bool, stream: bool) -> int | str | None:

@@ -27,6 +27,7 @@ from ._admission import usable_cpus
 from ._checks import check_flag, check_positive_int, check_start_method
 from ._mppool import (
     EXIT_RESULTS_CLOSED,
+    EXIT_RETIRED,
     EXIT_TASKS_CLOSED,
     ProcessLock,
     disk_full,
@@ -34,9 +35,11 @@ from ._mppool import (
     forget_task,
     make_pool_class,
     make_thread_pool,
+    pool_resizing,
     pool_running,
     pool_workers,
     release_pool_files,
+    resize_pool,
     stop_maintenance,
 )
 from ._pooldir import PoolDirectory
@@ -165,16 +168,20 @@ class PoolCore:
         num_workers: workers to start.
         start_method: 'fork', 'spawn', 'forkserver' or None (platform default).
         registrations: (loader id, payload) pairs the initializer registers in every worker.
+        capacity: the most workers the pool may be resized to (`resize`; process pools only);
+            worker ids stay below it, and workers see it as `num_workers`. Default num_workers.
     """
 
     is_thread = False
     status: StatusTable | None = None  # process pools: what each worker is doing
     pool: Any
 
-    def __init__(self, num_workers: int, start_method: str | None, registrations: list[tuple[int, Payload]]) -> None:
+    def __init__(self, num_workers: int, start_method: str | None, registrations: list[tuple[int, Payload]],
+                 capacity: int | None = None) -> None:
         import multiprocess
 
-        self.num_workers = num_workers
+        self.num_workers = num_workers  # at the start; `resize` changes the count of a process pool
+        self.capacity = max(num_workers, capacity or 0)
         self.start_method = start_method
         self._directory = PoolDirectory()
         self.payload_dir = self._directory.path
@@ -209,6 +216,15 @@ class PoolCore:
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes (none for threads)."""
         return []
+
+    def resize(self, count: int) -> bool:
+        """Keep `count` workers from now on (1 to `capacity`), without losing a task; False
+        when the pool cannot now (a thread pool, or the last resize is still under way)."""
+        return False
+
+    def workers_ready(self) -> bool:
+        """Whether every worker the pool keeps runs and has claimed its id (a resize is done)."""
+        return True
 
     def worker_processes(self) -> list[Any]:
         """The worker processes, by worker id (none for threads)."""
@@ -328,7 +344,8 @@ class ProcessCore(PoolCore):
     """A pool of worker processes, supervised: the pool never tells anyone that a worker died
     (see the module's docstring), so `find_dead_worker` reads exit codes itself."""
 
-    def __init__(self, num_workers: int, start_method: str | None, registrations: list[tuple[int, Payload]]) -> None:
+    def __init__(self, num_workers: int, start_method: str | None, registrations: list[tuple[int, Payload]],
+                 capacity: int | None = None) -> None:
         import multiprocess
 
         if multiprocess.current_process().daemon:
@@ -341,10 +358,12 @@ class ProcessCore(PoolCore):
         self._killed: set[Any] = set()  # worker processes killed on purpose: no death to report
         self._deaths: list[_Death] = []  # noticed, not reported yet
         self._exit_codes: dict[int, int] = {}  # pid -> exit code of the processes closed (see WorkerProcess)
-        super().__init__(num_workers, start_method, registrations)
+        self._retiring = 0  # workers asked to exit by `resize` that have not yet: their exits are no deaths
+        super().__init__(num_workers, start_method, registrations, capacity)
 
     def _start(self, ctx: Any, registrations: list[tuple[int, Payload]]) -> None:
-        num_workers = self.num_workers
+        # Sized for the most workers the pool may be resized to: ids, rows and permits.
+        num_workers = self.capacity
         status = ctx.Array("q", [-1] * StatusTable.cells(num_workers), lock=False)
         self.status = StatusTable(status, num_workers)
         incarnations = ctx.Array("q", [0] * num_workers, lock=False)
@@ -369,7 +388,7 @@ class ProcessCore(PoolCore):
 
             resource_tracker.ensure_running()
         with _sigint_blocked():
-            self.pool = make_pool_class()(num_workers, initializer=initialize_process_worker,
+            self.pool = make_pool_class()(self.num_workers, initializer=initialize_process_worker,
                                            initargs=(self.spec, registrations), context=ctx, lock_dir=self.payload_dir)
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None) -> Any:
@@ -379,6 +398,29 @@ class ProcessCore(PoolCore):
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in pool_workers(self.pool)]
+
+    def resize(self, count: int) -> bool:
+        """Keep `count` workers from now on: new ones start (and claim free ids), or idle ones
+        take retire tasks queued behind the tasks already queued, so none is lost; their exits
+        (EXIT_RETIRED) are not deaths. A worker that dies meanwhile is reported as any death."""
+        if not 1 <= count <= self.capacity:
+            raise ValueError(f"a pool of capacity {self.capacity} cannot keep {count} workers")
+        with self._lock:
+            if self._closed or pool_resizing(self.pool) or self._retiring:
+                return False
+            self._retiring += resize_pool(self.pool, count)
+        logger.debug("resizing the pool to %d workers", count)
+        return True
+
+    def workers_ready(self) -> bool:
+        if self._closed or self.status is None:
+            return False
+        with self._lock:
+            if pool_resizing(self.pool) or self._retiring:
+                self._notice_deaths()  # counts the retired
+                if pool_resizing(self.pool) or self._retiring:
+                    return False
+            return all(self.status.worker_id(p.pid) is not None for p in pool_workers(self.pool))
 
     def worker_processes(self) -> list[Any]:
         processes = pool_workers(self.pool)
@@ -429,6 +471,9 @@ class ProcessCore(PoolCore):
             code = process.exitcode
             if process in self._killed:
                 self._killed.discard(process)
+                continue
+            if code == EXIT_RETIRED and self._retiring:  # it took a retire task: asked to go
+                self._retiring -= 1
                 continue
             if not self._has_started(process.pid):
                 text = f"DataLoader worker (pid {process.pid}) {describe_exit(code)}, while starting" if code < 0 else (
@@ -554,9 +599,10 @@ class ProcessCore(PoolCore):
 
 
 def make_core(num_workers: int, is_thread: bool, start_method: str | None,
-              registrations: list[tuple[int, Payload]]) -> PoolCore:
-    """A running pool of `num_workers` threads (`is_thread`) or processes."""
-    return (ThreadCore if is_thread else ProcessCore)(num_workers, start_method, registrations)
+              registrations: list[tuple[int, Payload]], capacity: int | None = None) -> PoolCore:
+    """A running pool of `num_workers` threads (`is_thread`) or processes (which `resize` may
+    take up to `capacity`)."""
+    return (ThreadCore if is_thread else ProcessCore)(num_workers, start_method, registrations, capacity)
 
 
 def _join_all(processes: list[Any], timeout_s: float) -> bool:

@@ -7,7 +7,7 @@ import math
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["EpochStats", "PipelineStats", "ProgressBar", "write_status"]
 
@@ -132,10 +132,10 @@ class ProgressBar:
     """A one-line progress bar on stderr: batches done, batches/s and the share of time the
     caller waited for input. Shown only because the user asked for it (`progress=True`)."""
 
-    def __init__(self, epoch: int, total: int | None, workers: int = 0) -> None:
+    def __init__(self, epoch: int, total: int | None, workers: Callable[[], str] | None = None) -> None:
         self._epoch = epoch
         self._total = total
-        self._workers = workers
+        self._workers = workers  # says the workers, at each redraw ("" for none)
         self._done = 0
         self._started = time.perf_counter()
         self._drawn = 0.0
@@ -159,5 +159,6 @@ class ProgressBar:
             bar = f"[{'#' * filled}{'.' * (width - filled)}] {self._done}/{self._total}"
         else:
             bar = f"{self._done} batches"
-        workers = f", {self._workers} workers" if self._workers else ""
+        workers = self._workers() if self._workers is not None else ""
+        workers = f", {workers}" if workers else ""
         write_status(f"epoch {self._epoch} {bar} {rate:.1f} batches/s, waited {waited_fraction:.0%}{workers}", last)

@@ -69,7 +69,7 @@ class _FromConfig:
 _IN_VARS = ("dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "num_workers", "pin_memory",
             "timeout", "worker_init_fn", "prefetch_factor", "collate_fn", "generator", "persistent_workers",
             "in_order", "pin_memory_device", "pin_device_id", "device", "seed", "thread_pool", "pool", "progress",
-            "fetch_threads")
+            "fetch_threads", "cpu_budget", "memory_budget")
 
 
 class DataLoader(torch_data.DataLoader[_T_co]):
@@ -89,9 +89,14 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         batch_sampler: yields lists of indices (excludes batch_size, shuffle, sampler, last_batch).
         batchify_fn: turns a list of samples into a batch; default: `default_batchify_fn`.
         num_workers: worker processes (or threads); 0 loads in the calling thread; 'auto':
-            one per CPU this process may use, picked when the loader is built (the attribute
-            then gives the count), which CPU-bound loading wants; add fetch_threads for samples
-            that wait.
+            the loader picks the count and adjusts it as it runs, within `cpu_budget` and
+            `memory_budget`: it starts with one worker per CPU of the budget (the attribute
+            gives that count; `stats()["workers"]` the current one and why it changed) and
+            adds workers while training waits for batches that wait on storage or the network
+            and CPUs are idle, removes them when they idle or exceed a budget. No batch is
+            lost or reordered and seeds do not depend on it. It adjusts the loader's own
+            worker processes for a map-style dataset; for a stream, thread workers or a
+            shared pool the count stays as picked. Add fetch_threads for samples that wait.
         pin_memory: pin batches in page-locked memory (for faster copies to CUDA).
         pin_device_id: the CUDA device that pinned memory is meant for.
         prefetch: most tasks in flight; default 2 * num_workers. A task is one batch, or
@@ -129,6 +134,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             for any thread count; the process-wide generators (`random`, numpy's, torch's) are
             seeded per batch and shared by the threads, so their draws are not reproducible.
             None (default): samples are fetched one after the other.
+        cpu_budget: with num_workers='auto', the CPUs the workers may keep busy (a positive
+            number; default: the CPUs this process may use).
+        memory_budget: with num_workers='auto', the bytes of memory the workers may hold
+            (their USS, together; default: half the memory available when the loader is built).
         try_nopython: MXNet 2.0's switch to its C++ loader, accepted so Gluon 2.0 code runs
             unchanged: workers always run the Python pipeline (what MXNet falls back to for
             Python datasets and transforms), whatever its value.
@@ -156,7 +165,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                  collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool | None = None,
                  persistent_workers: bool | None = None, prefetch_factor: int | None = None,
                  multiprocessing_context: Any = None, generator: Any = None, in_order: bool = True,
-                 fetch_threads: int | str | None = None, try_nopython: bool | None = None) -> None:
+                 fetch_threads: int | str | None = None, try_nopython: bool | None = None,
+                 cpu_budget: float | None = None, memory_budget: int | None = None) -> None:
         check_flag("try_nopython", try_nopython, none_means=False)
         self._options = LoaderConfig.build(
             dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, last_batch=last_batch,
@@ -165,7 +175,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             device=device, worker_init_fn=worker_init_fn, seed=seed, start_method=start_method, pool=pool,
             progress=progress, collate_fn=collate_fn, drop_last=drop_last, persistent_workers=persistent_workers,
             prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context, generator=generator,
-            in_order=in_order, fetch_threads=fetch_threads)
+            in_order=in_order, fetch_threads=fetch_threads, cpu_budget=cpu_budget, memory_budget=memory_budget)
         config = self._options
         self._id = next(_LOADER_IDS)
         self._schedule = Schedule(config.batch_sampler, config.stream, config.base_seed, config.lookahead,
@@ -186,6 +196,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             warn_if_cannot_pin()
         _pool.track(self._engine)
         self.__dict__.update({name: getattr(self, name) for name in _IN_VARS})  # read through the properties
+        if config.cpu_budget is not None:  # a loader built again from vars() tunes its workers too
+            self.__dict__["num_workers"] = "auto"
 
     # torch's DataLoader attributes, read-only (the loader is built from them once).
     dataset = _FromConfig("dataset", "The dataset batches are loaded from.")
@@ -204,6 +216,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                                                            "True also keeps their copy of the dataset, unchanged.")
     in_order = _FromConfig("in_order", "Whether batches come in sampler order (False: a ready batch may go first).")
     fetch_threads = _FromConfig("fetch_threads", "Threads each worker fetches a batch's samples with (None: one).")
+    cpu_budget = _FromConfig("cpu_budget", "num_workers='auto': the CPUs the workers may keep busy (None otherwise).")
+    memory_budget = _FromConfig("memory_budget", "num_workers='auto': the bytes of memory the workers may hold "
+                                                 "(None otherwise, or where it cannot be measured).")
     pin_device_id = _FromConfig("pin_device_id", "The CUDA device pinned memory is meant for.")
     device = _FromConfig("device", "The CUDA device batches are moved to (None: they stay on the host).")
     seed = _FromConfig("seed", "The seed given (None: drawn from torch's default generator).")
@@ -428,13 +443,28 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             (queued until a worker began it), `worker_fetch_s` (getting samples, transforms
             included), `worker_batchify_s`, `return_s` (the finished batch's trip back),
             `window_s` (finished, waiting for you to ask) and `handover_s` (turning it into
-            tensors here). "workers": {"count", "kind" ('processes', 'threads' or 'in-process'),
-            "chosen_by": why the loader has that many}. With fetch_threads, also "fetch_threads":
+            tensors here). "workers": {"count" (now), "kind" ('processes', 'threads' or
+            'in-process'), "chosen_by": why the loader has that many}; with num_workers='auto'
+            also "most" (the most it may grow to), "cpu_budget", "memory_budget" and "changes":
+            the latest changes of the count, each {"at_s" (seconds since the loader was built),
+            "from", "to", "why" (what was measured)}. With fetch_threads, also "fetch_threads":
             {worker id: threads its latest batch was fetched with}.
         """
         snapshot = self._stats.snapshot(self._engine.in_flight, self._engine.shared_memory_bytes())
         opts = self._options
-        snapshot["workers"] = {"count": opts.num_workers, "kind": opts.worker_kind, "chosen_by": opts.workers_chosen}
+        workers: dict[str, Any] = {"count": self._engine.worker_count, "kind": opts.worker_kind,
+                                   "chosen_by": opts.workers_chosen}
+        tuner = self._engine.tuner
+        if tuner is not None:
+            changes = list(tuner.changes)
+            if changes:
+                workers["chosen_by"] = f"num_workers='auto', {changes[-1]['why']}"
+            workers.update(most=tuner.most, cpu_budget=tuner.cpu_budget, memory_budget=tuner.memory_budget,
+                           changes=changes)
+        elif opts.cpu_budget is not None:
+            workers.update(most=opts.num_workers, cpu_budget=opts.cpu_budget, memory_budget=opts.memory_budget,
+                           changes=[])
+        snapshot["workers"] = workers
         if self._options.fetch_threads is not None:
             snapshot["fetch_threads"] = dict(self._engine.fetch_threads)
         return snapshot

@@ -21,15 +21,19 @@ import gloader
 
 
 class RandomAugmented(gloader.Dataset):
-    """Sample i: (features drawn from the global generators of random, numpy and torch, i)."""
+    """Sample i: (features drawn from the global generators of random, numpy and torch, i),
+    after waiting `seconds` (a read)."""
 
-    def __init__(self, length: int = 50) -> None:
+    def __init__(self, length: int = 50, seconds: float = 0.0) -> None:
         self.length = length
+        self.seconds = seconds
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, idx: int) -> Any:
+        if self.seconds:
+            time.sleep(self.seconds)
         noise = np.array([random.random(), np.random.rand(), torch.rand(()).item()], dtype=np.float64)
         return noise + idx, idx
 

@@ -111,7 +111,9 @@ def leaks(before: dict[str, set]) -> dict[str, set]:
 @pytest.fixture(autouse=True, scope="session")
 def _warm_shared_heap() -> None:
     """Start multiprocess's process-wide helpers before the first leak snapshot: the heap
-    arena of synchronized values (two fds), the resource tracker (spawn; one pipe) and the
+    arenas of synchronized values (two fds each; a pool's status table grows with the most
+    workers it may have, 128 at most: 17 KiB, so an arena that holds several is made and
+    kept, as the heap keeps arenas under 4 MiB for reuse), the resource tracker (spawn; one pipe) and the
     forkserver (one pipe), and the stdlib's resource tracker that torch.multiprocessing uses.
     Each is made once per process and reused, never per loader. On a GPU machine, also the
     CUDA context, whose device files stay open for the life of the process."""
@@ -122,6 +124,7 @@ def _warm_shared_heap() -> None:
 
     stdlib_tracker.ensure_running()
     multiprocess.get_context("fork").Value("i", 0)
+    multiprocess.get_context("fork").Array("q", 8192, lock=False)  # 64 KiB, freed at once, its arena kept
     resource_tracker.ensure_running()
     forkserver.ensure_running()
     import torch

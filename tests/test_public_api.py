@@ -39,11 +39,12 @@ def test_dataloader_signature_matches_the_contract() -> None:
                         "device": None, "worker_init_fn": None, "seed": None, "start_method": None, "pool": None,
                         "progress": False, "collate_fn": None, "drop_last": None, "persistent_workers": None,
                         "prefetch_factor": None, "multiprocessing_context": None, "generator": None,
-                        "in_order": True, "fetch_threads": None, "try_nopython": None}
+                        "in_order": True, "fetch_threads": None, "try_nopython": None, "cpu_budget": None,
+                        "memory_budget": None}
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY
                for n in ("device", "worker_init_fn", "seed", "start_method", "pool", "progress", "collate_fn",
                          "drop_last", "persistent_workers", "prefetch_factor", "multiprocessing_context",
-                         "generator", "in_order", "fetch_threads", "try_nopython"))
+                         "generator", "in_order", "fetch_threads", "try_nopython", "cpu_budget", "memory_budget"))
 
 
 def test_batchify_tuple_is_group() -> None:

@@ -1,0 +1,280 @@
+"""num_workers='auto': the worker count, adjusted online from what the loader measures.
+
+Runs in the caller's thread, at the batches it collects; the engine asks `Tuner.decide` after
+each and resizes the pool (`PoolCore.resize`) to the count it answers. A decision looks at
+the last window of about _DECIDE_S:
+
+- the caller's wait: the share of the window it spent waiting for batches (0: the loader
+  keeps ahead, and more workers cannot help);
+- the workers' busy count: the worker time of the batches collected over the window's wall
+  time (Little's law: how many workers were loading, on average);
+- the workers' CPU use, from /proc: CPUs' worth of time the pool's processes ran, which tells
+  workers that compute (CPU use near their busy count) from workers that wait on storage or
+  the network (busy, hardly running);
+- the CPUs left idle on this machine (of those this process may use), and the workers' memory
+  (USS: what each holds alone), against the budgets.
+
+The pool grows while the caller waits, the workers are all busy, and the CPUs have room for
+what one more worker uses (within cpu_budget, idle on the machine, and within the memory
+budget); it shrinks when the workers use more than the budgets, or when the caller has not
+waited and half the workers idle. A grow that did not raise the rate by _GROWTH_GAIN is taken
+back, and the count it reached is not tried again for _RETRY_S. Decisions are never made while
+a resize is under way. Nothing here changes what a batch holds: its seed and its place come
+from the schedule, whichever worker loads it.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import os
+import time
+from typing import Any, Callable, Iterable
+
+from ._admission import usable_cpus
+
+__all__ = ["Measures", "Tuner", "default_memory_budget", "most_workers"]
+
+# How long a window a decision looks at. Longer: steadier measures, slower to settle (a
+# doubling per window: 2 to 16 workers took ~3 windows on W11); shorter: noisier decisions.
+_DECIDE_S = 1.0
+# The fewest batches a window must hold (slow batches: the window lasts until then).
+_DECIDE_BATCHES = 4
+# The caller's wait share above which the loader holds training back (grow), and below which
+# it keeps ahead (shrink allowed). Between them nothing changes (hysteresis).
+_WAITING = 0.05
+_AHEAD = 0.01
+# Workers count as all busy above this share of them busy on average, as idle below _IDLE.
+_SATURATED = 0.7
+_IDLE = 0.5
+# The share of cpu_budget the workers may fill when growing (the caller needs some CPU too),
+# and how far over the budget they may run before the pool shrinks.
+_CPU_FILL = 0.9
+_CPU_OVER = 1.15
+# A grow must raise the batches per second by this share of its relative size (2 -> 4
+# workers: by 0.3 x 100%) or it is taken back. Higher: fewer useless workers kept; lower:
+# fewer grows taken back on a noisy host.
+_GROWTH_GAIN = 0.3
+# How long a count taken back stays out of reach.
+_RETRY_S = 30.0
+# The most workers num_workers='auto' may grow to, per CPU of the budget and in all (a machine
+# with more CPUs may still double its start): the pool's ids, status rows and permits are sized
+# for it at the start. W11 (5 ms a sample) wanted ~32 processes on 2 CPUs without fetch threads.
+_MOST_PER_CPU = 16
+_MOST_WORKERS = 128
+# The default memory budget: this share of the memory available when the loader is built.
+_MEMORY_SHARE = 0.5
+# How many changes stats() lists.
+_LISTED_CHANGES = 32
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def most_workers(cpu_budget: float) -> int:
+    """The most workers num_workers='auto' may grow to with this budget."""
+    start = math.ceil(cpu_budget)
+    return max(2 * start, min(_MOST_WORKERS, _MOST_PER_CPU * start))
+
+
+def default_memory_budget() -> int | None:
+    """_MEMORY_SHARE of the memory available now (None where /proc/meminfo cannot be read)."""
+    try:
+        with open("/proc/meminfo", "rb") as info:
+            for line in info:
+                if line.startswith(b"MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * _MEMORY_SHARE)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU time (user + system, all threads) process `pid` has used; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime and stime: fields 14 and 15 of stat
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_uss(pid: int) -> int | None:
+    """Memory process `pid` holds alone (USS, bytes); None when it cannot be read."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
+            for line in rollup:
+                if line.startswith(b"Private_"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+def idle_cpu_s(cpus: Iterable[int]) -> float | None:
+    """Idle time (idle + iowait) of these CPUs since boot, from /proc/stat; None without it."""
+    wanted = {f"cpu{cpu}".encode() for cpu in cpus}
+    total = 0
+    try:
+        with open("/proc/stat", "rb") as stat:
+            for line in stat:
+                fields = line.split()
+                if fields and fields[0] in wanted:
+                    total += int(fields[4]) + int(fields[5])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / _TICKS
+
+
+class Measures:
+    """What one window measured (rates are per second of the window's wall time)."""
+
+    def __init__(self, wall_s: float, batches: int, waited_s: float, worker_s: float, cpu: float | None,
+                 idle_cpus: float | None, uss_bytes: int | None) -> None:
+        self.wall_s = wall_s
+        self.rate = batches / wall_s  # batches per second
+        self.wait = waited_s / wall_s  # the caller's share of time waiting
+        self.busy = worker_s / wall_s  # workers loading, on average
+        self.cpu = cpu  # CPUs' worth of time the workers ran
+        self.idle_cpus = idle_cpus  # CPUs idle on the machine
+        self.uss_bytes = uss_bytes  # the workers' memory, all together
+
+    def describe(self, count: int) -> str:
+        parts = [f"the caller waited {self.wait:.0%} of the time", f"{self.busy:.1f} of {count} workers busy"]
+        if self.cpu is not None:
+            parts.append(f"using {self.cpu:.1f} CPUs")
+        if self.idle_cpus is not None:
+            parts.append(f"{self.idle_cpus:.1f} CPUs idle")
+        if self.uss_bytes is not None:
+            parts.append(f"{self.uss_bytes / 2**20:.0f} MiB of worker memory")
+        return ", ".join(parts)
+
+
+class Tuner:
+    """Picks the worker count of one loader's own process pool.
+
+    Args:
+        start: the count to start with.
+        most: the most workers (the pool's capacity).
+        cpu_budget: CPUs the workers may keep busy.
+        memory_budget: bytes of worker memory (USS, all workers together); None: no limit.
+        per_worker_window: tasks in flight per worker (the window follows the count).
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, start: int, most: int, cpu_budget: float, memory_budget: int | None,
+                 per_worker_window: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.count = start
+        self.most = most
+        self.cpu_budget = cpu_budget
+        self.memory_budget = memory_budget
+        self._per_worker_window = per_worker_window
+        self._clock = clock
+        self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(usable_cpus()))
+        self.changes: collections.deque[dict[str, Any]] = collections.deque(maxlen=_LISTED_CHANGES)
+        self._started = clock()
+        self._blocked: dict[int, float] = {}  # count -> until when it is not tried again
+        self._grown_from: tuple[int, float] | None = None  # the count and rate before the latest grow
+        self.settling = True  # until the pool's workers all run (see begin)
+        self._open_window(None)
+
+    @property
+    def window(self) -> int:
+        """Tasks in flight for the current count."""
+        return max(1, math.ceil(self._per_worker_window * self.count))
+
+    def _open_window(self, pids: list[int] | None) -> None:
+        self._since = self._clock()
+        self._batches = 0
+        self._waited_s = 0.0
+        self._worker_s = 0.0
+        self._cpu_at = {pid: cpu for pid in pids or () if (cpu := process_cpu_s(pid)) is not None}
+        self._idle_at = idle_cpu_s(self._cpus)
+
+    def resized(self) -> None:
+        """The pool was started, resized or replaced: no window until `begin`."""
+        self.settling = True
+
+    def begin(self, pids: list[int]) -> None:
+        """Every worker of the pool runs (`pids`): open a window."""
+        self.settling = False
+        self._open_window(pids)
+
+    def observe(self, waited_s: float, worker_s: float) -> None:
+        """A batch collected: the caller waited `waited_s` for it, a worker spent `worker_s` on it."""
+        self._batches += 1
+        self._waited_s += waited_s
+        self._worker_s += worker_s
+
+    def due(self) -> bool:
+        """Whether a window is complete."""
+        return not self.settling and self._batches >= _DECIDE_BATCHES and self._clock() - self._since >= _DECIDE_S
+
+    def measure(self, pids: list[int]) -> Measures:
+        """The window's measures (`pids`: the workers now); a new window opens."""
+        wall = self._clock() - self._since
+        cpu_at, idle_before = self._cpu_at, self._idle_at
+        batches, waited, worker = self._batches, self._waited_s, self._worker_s
+        self._open_window(pids)
+        used = sum(self._cpu_at[pid] - cpu_at[pid] for pid in self._cpu_at if pid in cpu_at)
+        idle = None if idle_before is None or self._idle_at is None else (self._idle_at - idle_before) / wall
+        uss = [process_uss(pid) for pid in pids]
+        return Measures(wall, batches, waited, worker, used / wall if cpu_at else None, idle,
+                        None if not uss or None in uss else sum(u for u in uss if u is not None))
+
+    def decide(self, measures: Measures) -> int | None:
+        """The count to change to after this window, or None to keep it; records why."""
+        count, now = self.count, self._clock()
+        to, why = self._choose(measures, count, now)
+        if to is None or to == count:
+            return None
+        self.settling = True
+        self.changes.append({"at_s": round(now - self._started, 3), "from": count, "to": to,
+                             "why": f"{why}: {measures.describe(count)}"})
+        self.count = to
+        return to
+
+    def refused(self, count: int) -> None:
+        """The pool could not resize after all (it was closing): back to `count`."""
+        self.count = count
+        self.changes.pop()
+        self.settling = False
+
+    def _choose(self, m: Measures, count: int, now: float) -> tuple[int | None, str]:
+        per_worker_uss = m.uss_bytes / count if m.uss_bytes is not None else None
+        if self.memory_budget is not None and m.uss_bytes is not None and m.uss_bytes > self.memory_budget \
+                and count > 1:
+            return max(1, math.floor(count * self.memory_budget / m.uss_bytes)), "shrank, over the memory budget"
+        if m.cpu is not None and m.cpu > self.cpu_budget * _CPU_OVER and count > 1:
+            return max(1, math.floor(count * self.cpu_budget / m.cpu)), "shrank, over the CPU budget"
+        grown, self._grown_from = self._grown_from, None
+        if grown is not None and m.rate < grown[1] * (1 + _GROWTH_GAIN * (count - grown[0]) / grown[0]):
+            self._blocked[count] = now + _RETRY_S
+            return grown[0], "took back the last grow, which did not raise the rate"
+        if m.wait > _WAITING and m.busy > _SATURATED * count and count < self.most:
+            room = self._room(m, count, per_worker_uss)
+            if room > 0 and self._blocked.get(count + 1, 0.0) <= now:
+                self._grown_from = (count, m.rate)
+                return count + room, "grew, the loader kept the caller waiting"
+            return None, ""
+        if m.wait < _AHEAD and m.busy < _IDLE * count and count > 1:
+            return max(1, count - max(1, count // 4), math.ceil(m.busy / _SATURATED)), \
+                "shrank, the workers kept ahead of the caller and idled"
+        return None, ""
+
+    def _room(self, m: Measures, count: int, per_worker_uss: float | None) -> int:
+        """How many workers to add (0: none fit): at most doubling, within the CPU budget, the
+        idle CPUs and the memory budget, and below a count taken back lately."""
+        add = min(count, self.most - count)
+        if m.cpu is not None:
+            per_worker_cpu = m.cpu / count
+            if per_worker_cpu > 0:
+                add = min(add, math.floor((self.cpu_budget * _CPU_FILL - m.cpu) / per_worker_cpu))
+                if m.idle_cpus is not None:
+                    add = min(add, math.floor(m.idle_cpus / per_worker_cpu))
+        if per_worker_uss is not None and self.memory_budget is not None and per_worker_uss > 0:
+            add = min(add, math.floor((self.memory_budget - m.uss_bytes) / per_worker_uss))  # type: ignore[operator]
+        now = self._clock()
+        for blocked, until in self._blocked.items():
+            if until > now and count < blocked:
+                add = min(add, blocked - count - 1)
+        return max(0, add)

@@ -1,0 +1,310 @@
+"""num_workers='auto': the worker count grows and shrinks as the loader runs, within its
+budgets, without a batch lost, duplicated or changed; what the tuner decides from its measures."""
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gloader
+from gloader import DataLoader, _tuning
+from gloader._pool import ProcessCore, make_core
+from gloader._protocol import WorkerExitedError
+from tests import _data
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 2**20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tuner(start: int = 2, most: int = 16, cpu_budget: float = 2.0, memory_budget: int | None = None,
+          clock: Clock | None = None) -> _tuning.Tuner:
+    return _tuning.Tuner(start, most, cpu_budget, memory_budget, 2.0, clock or Clock())
+
+
+def measures(count: int = 2, wait: float = 0.9, busy: float | None = None, cpu: float | None = 0.1,
+             idle: float | None = 1.8, uss: int | None = None, rate: float = 100.0) -> _tuning.Measures:
+    busy = count if busy is None else busy
+    return _tuning.Measures(1.0, int(rate), wait, busy, cpu, idle, uss if uss is not None else 20 * MiB * count)
+
+
+# --- what the tuner decides (no workers) ---------------------------------------------------
+
+def test_it_grows_while_the_caller_waits_on_busy_workers_that_leave_the_cpus_idle() -> None:
+    t = tuner()
+    assert t.decide(measures(count=2)) == 4  # at most doubling
+    assert t.count == 4 and t.window == 8  # the window follows: two tasks a worker
+    change = t.changes[-1]
+    assert (change["from"], change["to"]) == (2, 4)
+    assert change["why"].startswith("grew, the loader kept the caller waiting: the caller waited 90% of the time, "
+                                    "2.0 of 2 workers busy, using 0.1 CPUs, 1.8 CPUs idle, 40 MiB")
+
+
+@pytest.mark.parametrize("case", [
+    {"cpu": 1.9},  # the workers compute: the CPUs of the budget are full
+    {"idle": 0.0},  # other processes keep the machine's CPUs busy
+    {"wait": 0.02},  # the caller hardly waits: more workers would not make it faster
+    {"busy": 1.0},  # half the workers idle: something else holds the batches back
+])
+def test_it_does_not_grow_when_more_workers_could_not_help(case: dict[str, Any]) -> None:
+    t = tuner()
+    assert t.decide(measures(count=2, **case)) is None
+    assert t.count == 2 and not t.changes
+
+
+def test_growth_stops_at_the_cpu_budget_and_the_memory_budget_and_the_most_workers() -> None:
+    # 0.25 CPUs a worker: 90% of the budget less the 1.0 used fits 3 more; the 1.8 idle CPUs 7
+    assert tuner(start=4).decide(measures(count=4, cpu=1.0)) == 7
+    assert tuner(start=4).decide(measures(count=4, cpu=1.0, idle=0.5)) == 6
+    # 20 MiB a worker
+    assert tuner(start=4, memory_budget=90 * MiB).decide(measures(count=4, cpu=0.1, uss=80 * MiB)) is None
+    assert tuner(start=4, memory_budget=130 * MiB).decide(measures(count=4, cpu=0.1, uss=80 * MiB)) == 6
+    assert tuner(start=12, most=16).decide(measures(count=12, cpu=0.1)) == 16
+
+
+def test_it_shrinks_when_over_a_budget_or_when_the_workers_idle_ahead_of_the_caller() -> None:
+    t = tuner(start=8, memory_budget=100 * MiB)
+    assert t.decide(measures(count=8, uss=200 * MiB)) == 4
+    assert t.changes[-1]["why"].startswith("shrank, over the memory budget")
+    t = tuner(start=4, cpu_budget=1.0)
+    assert t.decide(measures(count=4, cpu=2.0)) == 2
+    assert t.changes[-1]["why"].startswith("shrank, over the CPU budget")
+    t = tuner(start=8)
+    assert t.decide(measures(count=8, wait=0.0, busy=1.0)) == 6  # a quarter at a time
+    assert t.changes[-1]["why"].startswith("shrank, the workers kept ahead of the caller and idled")
+    assert tuner(start=1).decide(measures(count=1, wait=0.0, busy=0.1)) is None  # never below one
+
+
+def test_a_grow_that_did_not_raise_the_rate_is_taken_back_and_not_tried_again_soon() -> None:
+    clock = Clock()
+    t = tuner(clock=clock)
+    assert t.decide(measures(count=2, rate=100.0)) == 4
+    clock.now += 1.0
+    assert t.decide(measures(count=4, rate=105.0)) == 2  # +5% for twice the workers
+    assert t.changes[-1]["why"].startswith("took back the last grow, which did not raise the rate")
+    clock.now += 1.0
+    assert t.decide(measures(count=2, rate=100.0)) == 3  # below the count taken back
+    clock.now += 1.0
+    assert t.decide(measures(count=3, rate=140.0)) is None  # 3 helped; 4 is blocked for a while
+    clock.now += _tuning._RETRY_S
+    assert t.decide(measures(count=3, rate=140.0)) == 6
+
+
+def test_a_resize_the_pool_refused_is_undone() -> None:
+    t = tuner()
+    t.decide(measures(count=2))
+    t.refused(2)
+    assert t.count == 2 and not t.changes and not t.settling
+
+
+def test_the_most_workers_scales_with_the_cpu_budget() -> None:
+    assert _tuning.most_workers(2) == 32
+    assert _tuning.most_workers(0.5) == 16
+    assert _tuning.most_workers(100) == 200  # a large machine may still double its start
+
+
+def test_the_measures_of_this_process_are_read_from_proc() -> None:
+    assert _tuning.process_cpu_s(os.getpid()) > 0
+    assert _tuning.process_uss(os.getpid()) > MiB
+    assert _tuning.idle_cpu_s(os.sched_getaffinity(0)) >= 0
+    assert _tuning.process_cpu_s(2**22 + 1) is None  # above the largest pid Linux hands out
+
+
+# --- the pool resizes ----------------------------------------------------------------------
+
+def _ids(core: ProcessCore) -> list[int]:
+    return sorted(core.status.worker_id(pid) for pid in core.worker_pids())
+
+
+def test_a_process_pool_grows_and_shrinks_with_unique_ids_and_no_death_reported() -> None:
+    core = make_core(2, False, "fork", [], capacity=5)
+    try:
+        assert isinstance(core, ProcessCore) and core.capacity == 5
+        assert wait_until(core.workers_ready, 20.0)
+        assert core.resize(5)
+        assert not core.resize(3)  # the last resize is still under way
+        assert wait_until(core.workers_ready, 20.0)
+        assert _ids(core) == [0, 1, 2, 3, 4]
+        first = set(core.worker_pids())
+        assert core.resize(1)
+        assert wait_until(core.workers_ready, 20.0)
+        assert len(core.worker_pids()) == 1 and set(core.worker_pids()) <= first
+        assert core.find_dead_worker() is None  # the four that left were asked to
+        assert core.resize(3)
+        assert wait_until(core.workers_ready, 20.0)
+        assert len(set(_ids(core))) == 3 and max(_ids(core)) < 5  # new workers take free ids
+        with pytest.raises(ValueError, match="a pool of capacity 5 cannot keep 6 workers"):
+            core.resize(6)
+    finally:
+        core.close()
+
+
+class Scripted:
+    """Replaces the tuner's choice: the counts to go to, one per window, then none."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = list(counts)
+
+    def __call__(self, measures: Any, count: int, now: float) -> tuple[int | None, str]:
+        if not self.counts:
+            return None, ""
+        return self.counts.pop(0), "scripted"
+
+
+@pytest.fixture
+def quick_windows(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.setattr(_tuning, "_DECIDE_S", 0.0)
+    monkeypatch.setattr(_tuning, "_DECIDE_BATCHES", 2)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_growing_and_shrinking_under_load_loses_nothing_and_changes_no_batch(quick_windows, in_order) -> None:
+    script = Scripted([4, 1, 3, 2, 5, 2])
+    quick_windows.setattr(_tuning.Tuner, "_choose", script)
+    dataset = _data.RandomAugmented(length=120, seconds=0.002)  # draws from the process-wide generators
+    with DataLoader(dataset, batch_size=3, shuffle=True, seed=11) as reference, \
+            DataLoader(dataset, batch_size=3, shuffle=True, seed=11, num_workers="auto", cpu_budget=2,
+                       in_order=in_order) as loader:
+        seen_counts = set()
+        for _ in range(20):  # epochs, until the script has run
+            got = []
+            for batch in loader:
+                got.append(batch)
+                seen_counts.add(len(loader.worker_pids()))
+            expected = list(reference)
+            if not in_order:  # a ready batch may go first: the same batches, by their sample indices
+                got = sorted(got, key=lambda b: b[1][0].item())
+                expected = sorted(expected, key=lambda b: b[1][0].item())
+            assert len(got) == len(expected) == 40
+            for (features, index), (want_features, want_index) in zip(got, expected):
+                assert torch.equal(index, want_index) and torch.equal(features, want_features)
+            if not script.counts:
+                break
+        changes = loader.stats()["workers"]["changes"]
+    assert [(c["from"], c["to"]) for c in changes] == [(2, 4), (4, 1), (1, 3), (3, 2), (2, 5), (5, 2)]
+    assert {1, 5} <= seen_counts
+
+
+def _kill_one_worker_after_resizing(monkeypatch: pytest.MonkeyPatch, pick: str) -> list[int]:
+    killed: list[int] = []
+    resize = ProcessCore.resize
+
+    def resize_then_kill(core: ProcessCore, count: int) -> bool:
+        pids = core.worker_pids()
+        done = resize(core, count)
+        if done and not killed:
+            victim = max(pids) if pick == "newest" else min(pids)
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
+        return done
+
+    monkeypatch.setattr(ProcessCore, "resize", resize_then_kill)
+    return killed
+
+
+@pytest.mark.parametrize("counts", [[4], [1]], ids=["growing", "shrinking"])
+def test_a_worker_killed_while_the_pool_resizes_is_reported_and_the_next_epoch_is_whole(quick_windows,
+                                                                                       counts) -> None:
+    quick_windows.setattr(_tuning.Tuner, "_choose", Scripted(counts))
+    killed = _kill_one_worker_after_resizing(quick_windows, "oldest")
+    dataset = _data.SlowEverySample(0.002, length=120)
+    with DataLoader(dataset, batch_size=2, seed=3) as reference:
+        expected = [b.tolist() for b in reference]
+    with DataLoader(dataset, batch_size=2, seed=3, num_workers="auto", cpu_budget=2) as loader:
+        with pytest.raises(WorkerExitedError, match=rf"DataLoader worker \(pid {killed[0] if killed else ''}"):
+            for _ in loader:
+                pass
+        assert killed
+        assert [b.tolist() for b in loader] == expected  # a new pool, at the count the tuner had reached
+
+
+# --- the tuner on real workloads (decisions from what is measured) --------------------------
+
+def test_samples_that_wait_grow_the_pool_and_the_count_and_why_are_shown(quick_windows, capsys) -> None:
+    quick_windows.setattr(_tuning, "_DECIDE_S", 0.2)
+    with DataLoader(_data.Waits(0.004, length=800), batch_size=4, num_workers="auto", cpu_budget=2,
+                    progress=True) as loader:
+        assert torch.cat(list(loader)).flatten().tolist() == list(range(800))
+        workers = loader.stats()["workers"]
+    assert workers["count"] > 2 and workers["most"] == 32 and workers["cpu_budget"] == 2.0
+    assert workers["changes"][0]["why"].startswith("grew, the loader kept the caller waiting")
+    last = workers["changes"][-1]
+    assert workers["chosen_by"] == f"num_workers='auto', {last['why']}"
+    verb = last["why"].split(",")[0]
+    assert f", {workers['count']} workers, {verb} from {last['from']}" in capsys.readouterr().err
+
+
+def test_a_memory_budget_below_what_the_workers_hold_keeps_one_worker(quick_windows) -> None:
+    quick_windows.setattr(_tuning, "_DECIDE_S", 0.2)
+    with DataLoader(_data.Waits(0.004, length=400), batch_size=4, num_workers="auto", cpu_budget=2,
+                    memory_budget=1) as loader:
+        assert len(list(loader)) == 100
+        workers = loader.stats()["workers"]
+        assert workers["count"] == 1 and len(loader.worker_pids()) == 1
+    assert [c["to"] for c in workers["changes"]] == [1]
+    assert workers["changes"][0]["why"].startswith("shrank, over the memory budget")
+
+
+def test_samples_that_compute_do_not_grow_past_the_cpu_budget(quick_windows) -> None:
+    quick_windows.setattr(_tuning, "_DECIDE_S", 0.2)
+    with DataLoader(_data.Computes(length=600), batch_size=4, num_workers="auto", cpu_budget=1) as loader:
+        assert loader.num_workers == 1
+        assert len(list(loader)) == 150
+        assert loader.stats()["workers"]["count"] == 1
+
+
+def test_the_count_stays_as_picked_for_streams_threads_and_a_shared_pool() -> None:
+    with DataLoader(_data.RangeStream(8), batch_size=2, num_workers="auto", cpu_budget=2) as stream, \
+            DataLoader(np.arange(8), batch_size=2, num_workers="auto", cpu_budget=2, thread_pool=True) as threads:
+        for loader in (stream, threads):
+            assert loader._engine.tuner is None
+            workers = loader.stats()["workers"]
+            assert workers["count"] == 2 and workers["most"] == 2 and workers["changes"] == []
+
+
+# --- arguments -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"num_workers": 2, "cpu_budget": 1}, ValueError,
+     r"cpu_budget=1 bounds the workers that num_workers='auto' tunes, but num_workers=2"),
+    ({"memory_budget": 2**30}, ValueError, r"memory_budget=1073741824 bounds .* but num_workers=0"),
+    ({"num_workers": "auto", "cpu_budget": 0}, ValueError, r"cpu_budget must be a positive number of CPUs or None, got 0"),
+    ({"num_workers": "auto", "cpu_budget": float("nan")}, ValueError, r"got nan"),
+    ({"num_workers": "auto", "cpu_budget": "two"}, TypeError, r"cpu_budget must be .* got 'two'"),
+    ({"num_workers": "auto", "cpu_budget": True}, TypeError, r"got True"),
+    ({"num_workers": "auto", "memory_budget": 0}, ValueError, r"memory_budget must be a positive int .* got 0"),
+    ({"num_workers": "auto", "memory_budget": 1.5e9}, TypeError, r"memory_budget must be a positive int .* got 1500000000.0"),
+])
+def test_bad_budgets_are_named(kwargs, error, message) -> None:
+    with pytest.raises(error, match=message):
+        DataLoader(np.arange(8), batch_size=2, **kwargs)
+
+
+def test_a_loader_built_again_from_its_vars_tunes_its_workers_too() -> None:
+    with DataLoader(np.arange(8), batch_size=2, num_workers="auto", cpu_budget=1.5, memory_budget=2**30) as loader:
+        assert loader.num_workers == 2 and vars(loader)["num_workers"] == "auto"
+        assert (loader.cpu_budget, loader.memory_budget) == (1.5, 2**30)
+        names = ("dataset", "batch_size", "num_workers", "cpu_budget", "memory_budget")
+        with DataLoader(**{name: vars(loader)[name] for name in names}) as again:
+            assert again._engine.tuner is not None and again.cpu_budget == 1.5
+    with DataLoader(np.arange(8), batch_size=2, num_workers=2) as fixed:
+        assert vars(fixed)["num_workers"] == 2 and fixed.cpu_budget is None and fixed.memory_budget is None
+
+
+def test_a_shared_pool_takes_its_own_count_with_auto() -> None:
+    with gloader.WorkerPool(2) as pool, DataLoader(np.arange(8), batch_size=2, num_workers="auto", pool=pool) as loader:
+        assert loader._engine.tuner is None and loader.stats()["workers"]["count"] == 2
