@@ -100,13 +100,18 @@ def test_peers_are_reported_beside_gloader_and_a_missing_tensorpack_is_skipped_w
     results = bench.run(quick=True, rounds=1, only={"W1"})
     assert results["W1"]["skipped_peers"] == {"tensorpack": "not installed (pip install tensorpack)"}
     got = results["W1"]["samples_per_s"]
-    assert set(got) == {"gloader", "torch", "in-process", "gloader nw=1", "ceiling"} and all(v[0] > 0 for v in got.values())
+    assert set(got) == {"gloader", "torch", "in-process", "gloader nw=1", "ceiling", "gloader auto"}
+    assert all(v[0] > 0 for v in got.values())
+    assert results["W1"]["auto_workers"] and all(count >= 1 for count in results["W1"]["auto_workers"])
     row = next(line for line in bench.report(results).splitlines() if line.startswith("| W1 |"))
     cells = row.strip("|").split("|")
     assert _median(cells[1]) == pytest.approx(got["gloader"][0], rel=1e-3)
     in_process = float(cells[2].split("(**")[1].rstrip("x*) "))
     assert in_process == pytest.approx(got["gloader"][0] / got["in-process"][0], abs=0.01)
     assert "skipped: not installed (pip install tensorpack)" in cells[4]
+    auto = next(line for line in bench.report(results).splitlines() if line.startswith("num_workers='auto' / gloader"))
+    assert auto.startswith("num_workers='auto' / gloader nw=2 (per round): W1 ")
+    assert f"x (ended with {results['W1']['auto_workers'][0]} workers)" in auto
 
 
 def _ratio_of_rounded(ratio: float, numerator: int, denominator: int) -> bool:
@@ -248,7 +253,8 @@ def test_the_report_gives_the_ceiling_over_torch_from_each_rounds_times() -> Non
     lines = bench.report(results).splitlines()
     row = next(line for line in lines if line.startswith("| W8 |"))
     assert "skipped: not measured here" in row.split("|")[3]  # in-process: not a W8 peer
-    assert float(row.split("|")[-2].split("(**")[1].rstrip("x*) ")) == pytest.approx(0.95)  # gloader / ceiling
+    assert float(row.split("|")[-3].split("(**")[1].rstrip("x*) ")) == pytest.approx(0.95)  # gloader / ceiling
+    assert "skipped: not measured here" in row.split("|")[-2]  # gloader auto: not in these results
     bound = next(line for line in lines if line.startswith("Ceiling / torch"))
     # 1.5 / 0.9 = 1.67 and 1.1 / 1.0 = 1.10: their median is 1.38
     assert bound.endswith("W8 1.38 (1.10-1.67)x")
@@ -312,13 +318,18 @@ def test_the_remote_storage_workload_serves_every_sample_over_http_and_reports_e
     monkeypatch.setattr(remote, "_QUICK_SAMPLES", 96)
     steps: list[str] = []
     results = {"W11": remote.measure_remote(quick=True, rounds=1, step=steps.append)}
-    assert steps == [f"W11 round 1 {name}" for name in ("torch nw=2", "gloader nw=2", remote._AUTO)]
+    names = ("torch nw=2", "gloader nw=2", remote._AUTO, remote._AUTO_WORKERS, remote._AUTO_BOTH)
+    assert steps == [f"W11 round 1 {name}" for name in names]
     loaders = results["W11"]["loaders"]
     assert all(got["samples_per_s"][0] > 0 and got["uss_mb"][0] > 0 for got in loaders.values())
-    assert loaders[remote._AUTO]["threads"][0] >= 1
+    assert loaders[remote._AUTO]["threads"][0] >= 1 and loaders[remote._AUTO_BOTH]["threads"][0] >= 1
+    assert loaders["gloader nw=2"]["workers"] == [2] and loaders[remote._AUTO_WORKERS]["workers"][0] >= 1
     lines = remote.report_remote(results)
     assert any(line.startswith("| gloader nw=2 fetch_threads=auto |") and "per worker" in line for line in lines)
+    assert any(line.startswith("| gloader nw=auto | ") for line in lines)
+    assert "W11: gloader nw=auto fetch_threads=auto reads" in lines[-1]
     assert "the best torch configuration (torch nw=2)" in lines[-1]
+    assert remote.remote_summary(results).startswith("gloader nw=auto fetch_threads=auto / the best torch (torch nw=2)")
     def left() -> list[Any]:  # but the resource tracker and the fork server, which live with this process
         return [child for child in psutil.Process().children(recursive=True)
                 if not any(helper in " ".join(child.cmdline()) for helper in ("resource_tracker", "forkserver"))]

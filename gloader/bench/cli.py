@@ -12,7 +12,8 @@ Peers beside torch on W1-W3: the loop a user writes without workers, gloader wit
 worker, and tensorpack's MultiProcessRunnerZMQ with two (W1, W2; skipped with a message when
 tensorpack is not installed). On W1, W3 and W8, the compute ceiling: two processes that load
 each batch's samples and drop them (no batching, no transfer), the most any loader with two
-workers can deliver here.
+workers can deliver here; and gloader with num_workers='auto', which must not lose to the
+right fixed count (reported over gloader nw=2, with the count it ended with).
 
 Workloads:
     W1 tiny: samples of float32[16] + int, batch 256, shuffle.
@@ -30,7 +31,8 @@ Workloads:
     W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench.memory`.
     W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench.device`.
     W11 remote storage: JPEGs from a local HTTP server that answers after 5 ms; torch and
-        gloader with 2, 8 and 32 workers, and gloader with 2 and fetch_threads='auto'; see
+        gloader with 2, 8 and 32 workers, gloader with 2 and fetch_threads='auto', and gloader
+        with num_workers='auto', alone and with fetch_threads='auto'; see
         `gloader.bench.remote`. Skipped when Pillow is not installed.
 
 Uses gloader's public API only, like any other user of it.
@@ -89,9 +91,9 @@ _JPEGS = 2000
 _QUICK_JPEGS = 256
 
 # Peers measured beside gloader (nw=2) and torch (nw=2, persistent workers), per workload.
-_PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "ceiling"),
+_PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "ceiling", "gloader auto"),
           "W2": ("in-process", "gloader nw=1", "tensorpack"),
-          "W3": ("in-process", "gloader nw=1", "ceiling"), "W8": ("ceiling",)}
+          "W3": ("in-process", "gloader nw=1", "ceiling", "gloader auto"), "W8": ("ceiling", "gloader auto")}
 _SCALING = ("W3", "W8")
 _SCALING_WORKERS = (1, 2, 4)
 
@@ -123,6 +125,8 @@ def _make_peer(name: str, dataset: Any, batch_size: int) -> Any:
         return _torch(dataset, batch_size)
     if name == "gloader nw=1":
         return _gloader(dataset, batch_size, 1)
+    if name == "gloader auto":
+        return gloader.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers="auto", seed=0)
     if name == "in-process":
         return InProcessLoop(dataset, batch_size)
     if name == "ceiling":
@@ -304,7 +308,7 @@ def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str
 
 
 def _time_rounds(makers: dict[str, Callable[[], Any]], work: Workload, rounds: int, progress: _Progress,
-                 label: str) -> dict[str, list[float]]:
+                 label: str, counts: dict[str, list[int]] | None = None) -> dict[str, list[float]]:
     """Seconds per round of each loader, the order turning each round. Every round builds each
     loader anew (its warm-up batches are untimed) and closes it after its turn: the same
     loader built twice can read a few percent apart all run long (two gloader nw=2 loaders
@@ -318,6 +322,8 @@ def _time_rounds(makers: dict[str, Callable[[], Any]], work: Workload, rounds: i
             loader = makers[name]()
             try:
                 times[name].append(_throughput(loader, work.batches, work.warm))
+                if counts is not None and getattr(loader, "cpu_budget", None) is not None:  # num_workers='auto'
+                    counts.setdefault(name, []).append(loader.stats()["workers"]["count"])
             finally:
                 _close(loader)
                 del loader  # torch's workers end with its loader: before the next turn's wait
@@ -332,8 +338,9 @@ def _measure_workload(work: Workload, dataset: Any, rounds: int, progress: _Prog
     if "tensorpack" in names and not has_tensorpack():
         names.remove("tensorpack")
         skipped["tensorpack"] = "not installed (pip install tensorpack)"
+    counts: dict[str, list[int]] = {}
     times = _time_rounds({name: functools.partial(_make_peer, name, dataset, work.batch_size) for name in names},
-                         work, rounds, progress, work.name)
+                         work, rounds, progress, work.name, counts)
     samples = work.batches * work.batch_size
     gl = times["gloader"]
     return {
@@ -343,6 +350,7 @@ def _measure_workload(work: Workload, dataset: Any, rounds: int, progress: _Prog
         "ratio": [t_torch / t_gl for t_gl, t_torch in zip(gl, times["torch"])],
         "ratios": {k: [t / g for g, t in zip(gl, v)] for k, v in times.items() if k != "gloader"},
         "skipped_peers": skipped,
+        "auto_workers": counts.get("gloader auto", []),  # the count num_workers='auto' had at the end, per round
     }
 
 
@@ -484,7 +492,7 @@ def _report_peers(results: dict[str, Any]) -> list[str]:
     rows = [name for name in _PEERS if name in results and "ratios" in results[name]]
     if not rows:
         return []
-    peers = ["in-process", "gloader nw=1", "tensorpack", "ceiling"]
+    peers = ["in-process", "gloader nw=1", "tensorpack", "ceiling", "gloader auto"]
     lines = ["", "Peers beside torch, samples/s (gloader nw=2 / peer); median (min-max) over the rounds", "",
              "| workload | gloader nw=2 | " + " | ".join(peers) + " |", "|---|---|" + "---|" * len(peers)]
     for name in rows:
@@ -496,6 +504,11 @@ def _report_peers(results: dict[str, Any]) -> list[str]:
             else:
                 cells.append(f"skipped: {res['skipped_peers'].get(peer, 'not measured here')}")
         lines.append(f"| {name} | {_summary(res['samples_per_s']['gloader'])} | " + " | ".join(cells) + " |")
+    autos = [f"{name} {_summary([1 / r for r in results[name]['ratios']['gloader auto']]).strip()}x "
+             f"(ended with {'/'.join(str(c) for c in sorted(set(results[name].get('auto_workers', []))))} workers)"
+             for name in rows if "gloader auto" in results[name]["ratios"]]
+    if autos:
+        lines += ["", f"num_workers='auto' / gloader nw={_WORKERS} (per round): " + ", ".join(autos)]
     for peer in ("torch", "tensorpack"):
         bounds = []
         for name in rows:

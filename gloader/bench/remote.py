@@ -4,9 +4,12 @@ A real HTTP server, started by the benchmark in its own process on 127.0.0.1, an
 request after a fixed delay, as an object store or a network file system does, with one of a
 set of small JPEGs; the dataset fetches each sample's image and decodes it. Loading then
 mostly waits, and the question is how many concurrent fetches a loader keeps going, and what
-memory that costs: torch and gloader with 2, 8 and 32 workers, and gloader with 2 workers
-and `fetch_threads='auto'`. Reported: samples/s, the workers' USS (memory no other process
-shares) summed, and the fetch threads auto settled on.
+memory that costs: torch and gloader with 2, 8 and 32 workers, gloader with 2 workers and
+`fetch_threads='auto'`, and gloader with `num_workers='auto'`, alone and with
+`fetch_threads='auto'`. Reported: samples/s, the workers' USS (memory no other process
+shares) summed, and the workers and fetch threads auto settled on. A loader that tunes its
+worker count is timed once the count has held for _SETTLE_S (untimed epochs, for at most
+_SETTLE_MAX_S), as in training, which runs many epochs.
 """
 from __future__ import annotations
 
@@ -38,6 +41,12 @@ _SAMPLES = 1024
 _QUICK_SAMPLES = 256
 _WORKER_COUNTS = (2, 8, 32)
 _AUTO = "gloader nw=2 fetch_threads=auto"
+_AUTO_WORKERS = "gloader nw=auto"
+_AUTO_BOTH = "gloader nw=auto fetch_threads=auto"
+# A loader with num_workers='auto' is timed once its count has not changed for _SETTLE_S (a few
+# of its decision windows of ~1 s; an epoch here is shorter), or after _SETTLE_MAX_S of epochs.
+_SETTLE_S = 4.0
+_SETTLE_MAX_S = 40.0
 
 
 def _jpegs(count: int) -> list[bytes]:
@@ -127,7 +136,7 @@ def _torch(dataset: RemoteJpegs, workers: int) -> Any:
                                        persistent_workers=True)
 
 
-def _gloader(dataset: RemoteJpegs, workers: int, fetch_threads: Any = None) -> Any:
+def _gloader(dataset: RemoteJpegs, workers: int | str, fetch_threads: Any = None) -> Any:
     return gloader.DataLoader(dataset, batch_size=_BATCH, shuffle=True, num_workers=workers, seed=0,
                               fetch_threads=fetch_threads)
 
@@ -138,6 +147,8 @@ def _loaders(dataset: RemoteJpegs) -> dict[str, Callable[[], Any]]:
         makers[f"torch nw={workers}"] = functools.partial(_torch, dataset, workers)
         makers[f"gloader nw={workers}"] = functools.partial(_gloader, dataset, workers)
     makers[_AUTO] = functools.partial(_gloader, dataset, 2, "auto")
+    makers[_AUTO_WORKERS] = functools.partial(_gloader, dataset, "auto")
+    makers[_AUTO_BOTH] = functools.partial(_gloader, dataset, "auto", "auto")
     return makers
 
 
@@ -148,21 +159,30 @@ def _worker_pids(loader: Any) -> list[int]:
     return [worker.pid for worker in getattr(iterator, "_workers", [])]
 
 
-def _one_round(name: str, make: Callable[[], Any], samples: int) -> tuple[float, float, int]:
-    """(samples/s over one epoch, the workers' USS in MB, fetch threads per worker or 0). The
-    epoch timed is the second: training runs many, and each loader has started its workers
-    (and gloader's fetch_threads='auto' has found its count) in the first."""
+def _one_round(name: str, make: Callable[[], Any], samples: int) -> tuple[float, float, int, int]:
+    """(samples/s over one epoch, the workers' USS in MB, fetch threads per worker or 0, the
+    worker count). The epoch timed is the second: training runs many, and each loader has
+    started its workers (and gloader's fetch_threads='auto' has found its count) in the first;
+    num_workers='auto' has until its count holds for an epoch."""
+    built = time.monotonic()
     loader = make()
     try:
-        for _ in loader:
-            pass
+        tuned = getattr(loader, "cpu_budget", None) is not None
+        while True:
+            for _ in loader:
+                pass
+            changes = loader.stats()["workers"]["changes"] if tuned else []
+            held = time.monotonic() - built - (changes[-1]["at_s"] if changes else 0.0)
+            if not tuned or held >= _SETTLE_S or time.monotonic() - built > _SETTLE_MAX_S:
+                break
         started = time.perf_counter()
         count = sum(len(batch[1]) for batch in loader)
         rate = count / (time.perf_counter() - started)
         assert count == samples, (name, count)
-        uss = sum(_uss_mb(_worker_pids(loader)))
-        threads = max(loader.stats().get("fetch_threads", {0: 0}).values()) if name == _AUTO else 0
-        return rate, uss, threads
+        pids = _worker_pids(loader)
+        uss = sum(_uss_mb(pids))
+        threads = max(loader.stats().get("fetch_threads", {0: 0}).values()) if name in (_AUTO, _AUTO_BOTH) else 0
+        return rate, uss, threads, len(pids)
     finally:
         if isinstance(loader, gloader.DataLoader):
             loader.close()
@@ -189,13 +209,15 @@ def measure_remote(quick: bool, rounds: int, step: Callable[[str], None]) -> dic
         samples = _QUICK_SAMPLES if quick else _SAMPLES
         dataset = RemoteJpegs(port, samples)
         makers = _loaders(dataset)
-        out: dict[str, Any] = {name: {"samples_per_s": [], "uss_mb": [], "threads": []} for name in makers}
+        out: dict[str, Any] = {name: {"samples_per_s": [], "uss_mb": [], "threads": [], "workers": []}
+                               for name in makers}
         for r in range(rounds):
             for name in (list(makers) if r % 2 == 0 else list(reversed(makers))):
-                rate, uss, threads = _one_round(name, makers[name], samples)
+                rate, uss, threads, workers = _one_round(name, makers[name], samples)
                 out[name]["samples_per_s"].append(rate)
                 out[name]["uss_mb"].append(uss)
                 out[name]["threads"].append(threads)
+                out[name]["workers"].append(workers)
                 step(f"W11 round {r + 1} {name}")
         return {"delay_ms": _DELAY_S * 1e3, "samples": samples, "loaders": out}
     finally:
@@ -207,14 +229,15 @@ def measure_remote(quick: bool, rounds: int, step: Callable[[str], None]) -> dic
 
 def remote_loader_names() -> list[str]:
     """The loaders W11 measures each round."""
-    return [f"{kind} nw={workers}" for workers in _WORKER_COUNTS for kind in ("torch", "gloader")] + [_AUTO]
+    return [f"{kind} nw={workers}" for workers in _WORKER_COUNTS for kind in ("torch", "gloader")] + [
+        _AUTO, _AUTO_WORKERS, _AUTO_BOTH]
 
 
-def _against_best_torch(loaders: dict[str, Any]) -> tuple[str, float, float]:
-    """(the fastest torch configuration, gloader auto's speed and memory as multiples of it)."""
+def _against_best_torch(loaders: dict[str, Any], auto_name: str = _AUTO) -> tuple[str, float, float]:
+    """(the fastest torch configuration, a gloader auto loader's speed and memory as multiples of it)."""
     torch_names = [name for name in loaders if name.startswith("torch")]
     best = max(torch_names, key=lambda name: statistics.median(loaders[name]["samples_per_s"]))
-    auto = loaders[_AUTO]
+    auto = loaders[auto_name]
     speed = statistics.median(auto["samples_per_s"]) / statistics.median(loaders[best]["samples_per_s"])
     memory = statistics.median(auto["uss_mb"]) / statistics.median(loaders[best]["uss_mb"])
     return best, speed, memory
@@ -225,9 +248,9 @@ def remote_summary(results: dict[str, Any]) -> str | None:
     res = results.get("W11")
     if not res or "loaders" not in res:
         return None
-    best, speed, memory = _against_best_torch(res["loaders"])
-    return (f"gloader nw=2 + fetch_threads='auto' / the best torch ({best}) | {speed:.2f}x the speed, "
-            f"{memory:.2f}x the workers' memory")
+    name = _AUTO_BOTH if _AUTO_BOTH in res["loaders"] else _AUTO  # results written before it ran have only _AUTO
+    best, speed, memory = _against_best_torch(res["loaders"], name)
+    return f"{name} / the best torch ({best}) | {speed:.2f}x the speed, {memory:.2f}x the workers' memory"
 
 
 def report_remote(results: dict[str, Any]) -> list[str]:
@@ -239,13 +262,19 @@ def report_remote(results: dict[str, Any]) -> list[str]:
         return ["", f"W11 skipped: {res['skipped']}"]
     loaders = res["loaders"]
     lines = ["", f"| W11 HTTP store ({res['delay_ms']:g} ms a request), JPEGs 128x128, batch {_BATCH} | samples/s | "
-                 "workers' USS MB | fetch threads |", "|---|---|---|---|"]
+                 "workers' USS MB | workers | fetch threads |", "|---|---|---|---|---|"]
     for name, got in loaders.items():
-        threads = f"{statistics.median(got['threads']):g} per worker" if name == _AUTO else ""
-        lines.append(f"| {name} | {_summary(got['samples_per_s'])} | {_summary(got['uss_mb'])} | {threads} |")
-    best, speed, memory = _against_best_torch(loaders)
-    lines += ["", f"W11: {_AUTO} reads {speed:.2f}x the best torch configuration ({best}) with "
-                  f"{memory:.2f}x its workers' memory."]
+        threads = f"{statistics.median(got['threads']):g} per worker" if name in (_AUTO, _AUTO_BOTH) else ""
+        workers = (f"{statistics.median(got['workers']):g} ({min(got['workers'])}-{max(got['workers'])})"
+                   if got.get("workers") else "")
+        lines.append(f"| {name} | {_summary(got['samples_per_s'])} | {_summary(got['uss_mb'])} | {workers} | "
+                     f"{threads} |")
+    for name in (_AUTO, _AUTO_WORKERS, _AUTO_BOTH):
+        if name in loaders:
+            best, speed, memory = _against_best_torch(loaders, name)
+            lines.append(f"W11: {name} reads {speed:.2f}x the best torch configuration ({best}) with "
+                         f"{memory:.2f}x its workers' memory.")
+    lines.insert(len(lines) - sum(name in loaders for name in (_AUTO, _AUTO_WORKERS, _AUTO_BOTH)), "")
     return lines
 
 
