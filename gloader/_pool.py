@@ -359,6 +359,7 @@ class ProcessCore(PoolCore):
         self._deaths: list[_Death] = []  # noticed, not reported yet
         self._exit_codes: dict[int, int] = {}  # pid -> exit code of the processes closed (see WorkerProcess)
         self._retiring = 0  # workers asked to exit by `resize` that have not yet: their exits are no deaths
+        self._claimed: set[int] = set()  # pids of workers seen holding their id (see workers_ready)
         super().__init__(num_workers, start_method, registrations, capacity)
 
     def _start(self, ctx: Any, registrations: list[tuple[int, Payload]]) -> None:
@@ -420,7 +421,11 @@ class ProcessCore(PoolCore):
                 self._notice_deaths()  # counts the retired
                 if pool_resizing(self.pool) or self._retiring:
                     return False
-            return all(self.status.worker_id(p.pid) is not None for p in pool_workers(self.pool))
+            # Workers seen with their id are not looked up again: a look scans the status table.
+            pids = {p.pid for p in pool_workers(self.pool)}
+            self._claimed &= pids
+            self._claimed.update(pid for pid in pids - self._claimed if self.status.worker_id(pid) is not None)
+            return self._claimed == pids
 
     def worker_processes(self) -> list[Any]:
         processes = pool_workers(self.pool)

@@ -199,6 +199,24 @@ def test_growing_and_shrinking_under_load_loses_nothing_and_changes_no_batch(qui
     assert {1, 5} <= seen_counts
 
 
+def test_state_saved_while_the_pool_resizes_resumes_the_same_batches(quick_windows) -> None:
+    quick_windows.setattr(_tuning.Tuner, "_choose", Scripted([4, 1, 3]))
+    dataset = _data.RandomAugmented(length=90, seconds=0.002)
+    with DataLoader(dataset, batch_size=3, shuffle=True, seed=5, num_workers="auto", cpu_budget=2) as loader:
+        it = iter(loader)
+        for _ in range(12):
+            next(it)
+        state = loader.state_dict()
+        rest = list(it)
+        assert loader.stats()["workers"]["changes"]  # it resized on the way
+    with DataLoader(dataset, batch_size=3, shuffle=True, seed=5) as resumed:
+        resumed.load_state_dict(state)
+        again = list(resumed)
+    assert len(rest) == len(again) == 18
+    for (features, index), (want_features, want_index) in zip(rest, again):
+        assert torch.equal(index, want_index) and torch.equal(features, want_features)
+
+
 def _kill_one_worker_after_resizing(monkeypatch: pytest.MonkeyPatch, pick: str) -> list[int]:
     killed: list[int] = []
     resize = ProcessCore.resize
