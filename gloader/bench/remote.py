@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import gc
 import io
+import os
 import statistics
 import sys
 import threading
@@ -159,9 +160,13 @@ def _worker_pids(loader: Any) -> list[int]:
     return [worker.pid for worker in getattr(iterator, "_workers", [])]
 
 
-def _one_round(name: str, make: Callable[[], Any], samples: int) -> tuple[float, float, int, int]:
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _one_round(name: str, make: Callable[[], Any], samples: int) -> tuple[float, float, int, int, float]:
     """(samples/s over one epoch, the workers' USS in MB, fetch threads per worker or 0, the
-    worker count). The epoch timed is the second: training runs many, and each loader has
+    worker count, the CPUs busy over the epoch). The epoch timed is the second: training runs many, and each loader has
     started its workers (and gloader's fetch_threads='auto' has found its count) in the first;
     num_workers='auto' has until its count holds for an epoch."""
     built = time.monotonic()
@@ -175,19 +180,31 @@ def _one_round(name: str, make: Callable[[], Any], samples: int) -> tuple[float,
             held = time.monotonic() - built - (changes[-1]["at_s"] if changes else 0.0)
             if not tuned or held >= _SETTLE_S or time.monotonic() - built > _SETTLE_MAX_S:
                 break
-        started = time.perf_counter()
+        started, busy_before = time.perf_counter(), _busy_cpu_s()
         count = sum(len(batch[1]) for batch in loader)
-        rate = count / (time.perf_counter() - started)
+        wall = time.perf_counter() - started
+        rate, busy = count / wall, (_busy_cpu_s() - busy_before) / wall
         assert count == samples, (name, count)
         pids = _worker_pids(loader)
         uss = sum(_uss_mb(pids))
         threads = max(loader.stats().get("fetch_threads", {0: 0}).values()) if name in (_AUTO, _AUTO_BOTH) else 0
-        return rate, uss, threads, len(pids)
+        return rate, uss, threads, len(pids), busy
     finally:
         if isinstance(loader, gloader.DataLoader):
             loader.close()
         del loader
         gc.collect()  # torch's workers end with its loader, which a reference cycle may keep
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the CPUs this process may use have been busy (not idle, not waiting for
+    I/O) since boot, whoever ran on them: the loader, its workers, the server, anything else."""
+    import psutil
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    times = psutil.cpu_times(percpu=True)
+    return float(sum(t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+               for i, t in enumerate(times) if cpus is None or i in cpus))
 
 
 def measure_remote(quick: bool, rounds: int, step: Callable[[str], None]) -> dict[str, Any]:
@@ -209,17 +226,18 @@ def measure_remote(quick: bool, rounds: int, step: Callable[[str], None]) -> dic
         samples = _QUICK_SAMPLES if quick else _SAMPLES
         dataset = RemoteJpegs(port, samples)
         makers = _loaders(dataset)
-        out: dict[str, Any] = {name: {"samples_per_s": [], "uss_mb": [], "threads": [], "workers": []}
-                               for name in makers}
+        out: dict[str, Any] = {name: {"samples_per_s": [], "uss_mb": [], "threads": [], "workers": [],
+                                      "cpus_busy": []} for name in makers}
         for r in range(rounds):
             for name in (list(makers) if r % 2 == 0 else list(reversed(makers))):
-                rate, uss, threads, workers = _one_round(name, makers[name], samples)
+                rate, uss, threads, workers, busy = _one_round(name, makers[name], samples)
+                out[name]["cpus_busy"].append(busy)
                 out[name]["samples_per_s"].append(rate)
                 out[name]["uss_mb"].append(uss)
                 out[name]["threads"].append(threads)
                 out[name]["workers"].append(workers)
                 step(f"W11 round {r + 1} {name}")
-        return {"delay_ms": _DELAY_S * 1e3, "samples": samples, "loaders": out}
+        return {"delay_ms": _DELAY_S * 1e3, "samples": samples, "loaders": out, "cpus": _usable_cpus()}
     finally:
         server.terminate()
         server.join(5)
@@ -262,19 +280,31 @@ def report_remote(results: dict[str, Any]) -> list[str]:
         return ["", f"W11 skipped: {res['skipped']}"]
     loaders = res["loaders"]
     lines = ["", f"| W11 HTTP store ({res['delay_ms']:g} ms a request), JPEGs 128x128, batch {_BATCH} | samples/s | "
-                 "workers' USS MB | workers | fetch threads |", "|---|---|---|---|---|"]
+                 "workers' USS MB | workers | fetch threads | CPUs busy |", "|---|---|---|---|---|---|"]
     for name, got in loaders.items():
         threads = f"{statistics.median(got['threads']):g} per worker" if name in (_AUTO, _AUTO_BOTH) else ""
         workers = (f"{statistics.median(got['workers']):g} ({min(got['workers'])}-{max(got['workers'])})"
                    if got.get("workers") else "")
+        busy = f"{statistics.median(got['cpus_busy']):.2f}" if got.get("cpus_busy") else ""
         lines.append(f"| {name} | {_summary(got['samples_per_s'])} | {_summary(got['uss_mb'])} | {workers} | "
-                     f"{threads} |")
+                     f"{threads} | {busy} |")
     for name in (_AUTO, _AUTO_WORKERS, _AUTO_BOTH):
         if name in loaders:
             best, speed, memory = _against_best_torch(loaders, name)
             lines.append(f"W11: {name} reads {speed:.2f}x the best torch configuration ({best}) with "
                          f"{memory:.2f}x its workers' memory.")
     lines.insert(len(lines) - sum(name in loaders for name in (_AUTO, _AUTO_WORKERS, _AUTO_BOTH)), "")
+    # The least CPU a sample took (every process on the usable CPUs, over a timed epoch) bounds
+    # what any loader can reach here: the CPUs over it. 0: epochs too short to count (10 ms ticks).
+    costs = [statistics.median(busy / rate for busy, rate in zip(got["cpus_busy"], got["samples_per_s"]))
+             for got in loaders.values() if got.get("cpus_busy")]
+    cost_ms = min(costs) * 1e3 if len(costs) == len(loaders) else 0.0
+    if cost_ms > 0:
+        ceiling = res["cpus"] / (cost_ms / 1e3)
+        best_torch = statistics.median(loaders[best]["samples_per_s"])
+        lines.append(f"W11 CPU bound here: the least CPU a sample took was {cost_ms:.2f} ms (HTTP client, decode, "
+                     f"server, batching), so {res['cpus']} CPUs serve at most {ceiling:.0f} samples/s, "
+                     f"{ceiling / best_torch:.2f}x the best torch.")
     return lines
 
 
