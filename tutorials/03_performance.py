@@ -53,3 +53,30 @@ for method in ("fork", "spawn"):
 # %% [markdown]
 # A `wait_fraction` near 1 means the model waits for data: add workers, make `__getitem__`
 # cheaper, or keep the dataset in numpy arrays (docs/guide/datasets.md says why).
+
+# %% [markdown]
+# ## How many workers? Let the loader find out
+# `num_workers='auto'` starts one worker per CPU and adjusts the count as it runs: it adds
+# workers while the loop waits and the CPUs idle (samples that wait on storage or the network),
+# and removes them when they idle or exceed `cpu_budget` / `memory_budget`. Batches do not
+# depend on the count. Here each sample waits 4 ms, as a read from remote storage would.
+
+# %%
+import time
+
+
+def fetch(i):
+    time.sleep(0.004)  # the wait of a remote read
+    return np.float32(i)
+
+
+remote = gloader.SimpleDataset(list(range(1024))).transform(fetch)
+with DataLoader(remote, batch_size=16, num_workers="auto", seed=0) as loader:
+    for epoch in range(3):
+        started = time.perf_counter()
+        for _batch in loader:
+            pass
+        print(f"epoch {epoch}: {1024 / (time.perf_counter() - started):.0f} samples/s, "
+              f"{loader.stats()['workers']['count']} workers")
+    for change in loader.stats()["workers"]["changes"]:
+        print(change["from"], "->", change["to"], ":", change["why"])
