@@ -123,6 +123,25 @@ def test_the_measures_of_this_process_are_read_from_proc() -> None:
     assert _tuning.process_cpu_s(2**22 + 1) is None  # above the largest pid Linux hands out
 
 
+def test_worker_memory_is_read_from_a_few_workers_a_window_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[int] = []
+
+    def uss(pid: int) -> int:
+        reads.append(pid)
+        return pid * MiB
+
+    monkeypatch.setattr(_tuning, "process_uss", uss)
+    t = tuner()
+    assert t._workers_uss([1, 2, 3, 4, 5]) == 15 * MiB // 2  # 1 and 2 read: 1.5 MiB each, for 5 workers
+    assert t._workers_uss([1, 2, 3, 4, 5]) == round(2.5 * MiB * 5)  # 1 to 4 known
+    assert reads == [1, 2, 3, 4]  # the unread first
+    assert t._workers_uss([1, 2, 3, 4, 5]) == 15 * MiB
+    t._workers_uss([1, 2, 3, 4, 5])
+    assert reads == [1, 2, 3, 4, 5, 1, 2, 3]  # then the oldest reading, in turn
+    assert t._workers_uss([2, 3]) == 5 * MiB  # a worker that left no longer counts
+    assert _tuning._USS_READS == 2
+
+
 # --- the pool resizes ----------------------------------------------------------------------
 
 def _ids(core: ProcessCore) -> list[int]:
