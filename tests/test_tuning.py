@@ -262,10 +262,10 @@ def test_a_worker_killed_while_the_pool_resizes_is_reported_and_the_next_epoch_i
     with DataLoader(dataset, batch_size=2, seed=3) as reference:
         expected = [b.tolist() for b in reference]
     with DataLoader(dataset, batch_size=2, seed=3, num_workers="auto", cpu_budget=2) as loader:
-        with pytest.raises(WorkerExitedError, match=rf"DataLoader worker \(pid {killed[0] if killed else ''}"):
+        with pytest.raises(WorkerExitedError) as info:
             for _ in loader:
                 pass
-        assert killed
+        assert killed and f"DataLoader worker (pid {killed[0]}) is killed by signal: Killed" in str(info.value)
         assert [b.tolist() for b in loader] == expected  # a new pool, at the count the tuner had reached
 
 
