@@ -177,7 +177,7 @@ class LoaderConfig:
                              "threads at once; use process workers (thread_pool=False) or num_workers=1")
         fetch = _check_fetch_threads(fetch_threads, workers, thread, plan.stream is not None)
         tunes = budget[0] is not None and pool is None and not thread and plan.stream is None and workers > 0
-        most = max(workers, most_workers(budget[0])) if tunes and budget[0] is not None else workers
+        most = max(workers, most_workers(budget[0])) if budget[0] is not None and tunes else workers
         _warn_about_setup(workers, plan.sampler, plan.stream is not None)
         # Dispatch the next epoch's first batches before the caller asks only when this loader
         # built the sampler (a user's may change between epochs: DistributedSampler.set_epoch)
@@ -230,9 +230,10 @@ def _context_name(context: Any) -> str | None:
 
 def _check_num_workers(value: Any, cpu_budget: float | None) -> int:
     """num_workers: a non-negative int, or 'auto': to start, one worker process per CPU of the
-    budget (the count then follows what the loader measures, see `_tuning`)."""
-    if value == "auto":
-        return math.ceil(cpu_budget or usable_cpus())
+    budget (checked before: `_check_budgets`; the count then follows what the loader measures,
+    see `_tuning`)."""
+    if value == "auto" and cpu_budget is not None:
+        return math.ceil(cpu_budget)
     try:
         return check_non_negative_int("num_workers", value)
     except (TypeError, ValueError) as exc:

@@ -257,7 +257,6 @@ class Tuner:
         self.settling = False
 
     def _choose(self, m: Measures, count: int, now: float) -> tuple[int | None, str]:
-        per_worker_uss = m.uss_bytes / count if m.uss_bytes is not None else None
         if self.memory_budget is not None and m.uss_bytes is not None and m.uss_bytes > self.memory_budget \
                 and count > 1:
             return max(1, math.floor(count * self.memory_budget / m.uss_bytes)), "shrank, over the memory budget"
@@ -268,8 +267,8 @@ class Tuner:
             self._blocked[count] = now + _RETRY_S
             return grown[0], "took back the last grow, which did not raise the rate"
         if m.wait > _WAITING and m.busy > _SATURATED * count and count < self.most:
-            room = self._room(m, count, per_worker_uss)
-            if room > 0 and self._blocked.get(count + 1, 0.0) <= now:
+            room = self._room(m, count, now)
+            if room > 0:
                 self._grown_from = (count, m.rate)
                 return count + room, "grew, the loader kept the caller waiting"
             return None, ""
@@ -278,7 +277,7 @@ class Tuner:
                 "shrank, the workers kept ahead of the caller and idled"
         return None, ""
 
-    def _room(self, m: Measures, count: int, per_worker_uss: float | None) -> int:
+    def _room(self, m: Measures, count: int, now: float) -> int:
         """How many workers to add (0: none fit): at most doubling, within the CPU budget, the
         idle CPUs and the memory budget, and below a count taken back lately."""
         add = min(count, self.most - count)
@@ -288,9 +287,8 @@ class Tuner:
                 add = min(add, math.floor((self.cpu_budget * _CPU_FILL - m.cpu) / per_worker_cpu))
                 if m.idle_cpus is not None:
                     add = min(add, math.floor(m.idle_cpus / per_worker_cpu))
-        if per_worker_uss is not None and self.memory_budget is not None and per_worker_uss > 0:
-            add = min(add, math.floor((self.memory_budget - m.uss_bytes) / per_worker_uss))  # type: ignore[operator]
-        now = self._clock()
+        if m.uss_bytes and self.memory_budget is not None:
+            add = min(add, math.floor((self.memory_budget - m.uss_bytes) / (m.uss_bytes / count)))
         for blocked, until in self._blocked.items():
             if until > now and count < blocked:
                 add = min(add, blocked - count - 1)
