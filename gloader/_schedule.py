@@ -33,6 +33,12 @@ def _encoded_batches(batch_sampler: Any) -> Iterator[Any]:
     return map(np.ndarray.tobytes, arrays)
 
 
+def _set_count(sampler: Any) -> int | None:
+    """How often the caller set `sampler`'s state, where it counts that (gloader's samplers)."""
+    count = getattr(sampler, "_set_count", None)
+    return count if isinstance(count, int) else None
+
+
 class Epoch:
     """One epoch's batches, numbered from 0; the first `skipped` were served before a resume.
 
@@ -47,8 +53,9 @@ class Epoch:
         self.length = length
         self.start_state = start_state
         self.skipped = skipped
-        self.samples: int | None = None  # len(index sampler) when an epoch opened ahead was drawn
-        self.drawn_inner: Any = None  # the index sampler's state just after drawing it (opened ahead)
+        self.samples: int | None = None  # len(index sampler) when the epoch was drawn
+        self.drawn_inner: Any = None  # the index sampler's state just after drawing it
+        self.drawn_view: Any = None  # what can be seen of it then (`Schedule._inner_view`)
         self.exhausted = False
         self._batches = batches
         self._failed: Exception | None = None  # raised by the sampler while reading ahead: given at its turn
@@ -108,6 +115,7 @@ class Schedule:
         self._next_number = 0
         self._resume_skip = 0
         self._upcoming: Epoch | None = None
+        self._seen_sets: int | None = None  # the index sampler's count of set calls after the last draw or load
 
     @property
     def base_seed(self) -> int:
@@ -149,9 +157,10 @@ class Schedule:
         for _ in range(skip):
             next(batches, None)
         epoch = Epoch(number, length, start_state, batches, skip)
-        if self._lookahead:
-            epoch.samples = self._samples()
-            epoch.drawn_inner = self._inner_state()
+        epoch.samples = self._samples()
+        epoch.drawn_inner = self._inner_state()
+        epoch.drawn_view = self._inner_view()
+        self._mark_seen()
         return epoch
 
     def _inner(self) -> Any:
@@ -165,35 +174,69 @@ class Schedule:
         inner = self._inner()
         return inner.state_dict() if hasattr(inner, "state_dict") else None
 
-    def stale_upcoming(self) -> Epoch | None:
-        """The epoch opened ahead, if it must be drawn again: the dataset's length changed since
-        it was drawn (the loader's samplers follow it), or the caller changed the index
-        sampler (`loader.sampler.set_epoch(e)` before iter(), as torch and Lightning do); else None.
-        A sampler set back to the very state the epoch was drawn from keeps the epoch."""
-        upcoming = self._upcoming
-        if upcoming is None:
-            return None
-        if upcoming.samples is not None and upcoming.samples != self._samples():
-            return upcoming
-        now = self._inner_state()
-        if upcoming.drawn_inner is None or now == upcoming.drawn_inner:
-            return None
-        if isinstance(upcoming.start_state, Mapping) and now == upcoming.start_state.get("sampler"):
-            self._inner().load_state_dict(upcoming.drawn_inner)  # what it asks for is what was drawn
-            return None
-        return upcoming
+    def _inner_view(self) -> Any:
+        """The index sampler's state, or for one without `state_dict` its `epoch` where it has one
+        (torch's DistributedSampler): what tells that the caller set it since a draw."""
+        state = self._inner_state()
+        if state is None:
+            epoch = getattr(self._inner(), "epoch", None)
+            return {"epoch": epoch} if is_int(epoch) else None
+        return state
 
-    def redraw_upcoming(self) -> None:
-        """Open the epoch opened ahead again from its start (its batches in flight were
-        discarded), keeping a state the caller gave the index sampler since it was drawn."""
-        upcoming = self._upcoming
-        if upcoming is None:
-            return
+    def _mark_seen(self) -> None:
+        """The index sampler's state, as it is now, is the schedule's own doing (a draw, a load)."""
+        self._seen_sets = _set_count(self._inner())
+
+    def _caller_set_sampler(self, last: Epoch) -> bool:
+        """Whether the caller set the index sampler (`set_epoch`, `load_state_dict`) since the
+        schedule last drew from it or loaded it. gloader's samplers count those calls, so a call
+        that sets the very state a draw left (`set_epoch(e)` right after epoch e was drawn ahead)
+        is still seen; another sampler is judged by its state against the one `last` left."""
+        count = _set_count(self._inner())
+        if count is not None:
+            return count != self._seen_sets
+        return last.drawn_view is not None and self._inner_view() != last.drawn_view
+
+    def keeps(self, drawn: list[Epoch]) -> bool:
+        """Whether the epochs drawn but not yet served (`drawn`, oldest first: a dropped probe's
+        epoch, the epoch opened ahead) are the ones the caller would get by drawing now, so that
+        drawing ahead is invisible. They are not when the dataset's length changed since (the
+        loader's samplers follow it), or when the caller set the index sampler to another state
+        than the one the first of them was drawn from (`loader.sampler.set_epoch(e)` before
+        iter(), as torch and Lightning do). A sampler set back to that very state keeps them, and
+        is moved on to where drawing them left it."""
+        if not drawn:
+            return True
+        first, last = drawn[0], drawn[-1]
+        if any(epoch.samples is not None and epoch.samples != self._samples() for epoch in drawn):
+            return False
+        if not self._caller_set_sampler(last):
+            return True
         now = self._inner_state()
-        given = now is not None and now != upcoming.drawn_inner
+        if first.drawn_inner is None or last.drawn_inner is None or not isinstance(first.start_state, Mapping):
+            return False
+        if now != first.start_state.get("sampler"):
+            return False
+        self._inner().load_state_dict(last.drawn_inner)  # what it asks for is what was drawn
+        self._mark_seen()
+        return True
+
+    @property
+    def upcoming(self) -> Epoch | None:
+        """The epoch opened ahead, if any."""
+        return self._upcoming
+
+    def redraw(self, first: Epoch) -> None:
+        """Draw again from `first` on (a dropped probe's epoch, or the epoch opened ahead), whose
+        batches in flight were discarded: the next `open` draws epoch `first.number` anew, with a
+        state the caller gave the index sampler since it was drawn."""
+        now = self._inner_state()
+        given = now is not None and self._caller_set_sampler(self._upcoming or first)
+        self._upcoming = first
         self.rewind_upcoming()
-        if given:
+        if given and hasattr(self._inner(), "load_state_dict"):
             self._inner().load_state_dict(now)
+            self._mark_seen()
 
     def open(self) -> Epoch:
         """The epoch the next iterator serves: the one opened ahead, or a new one."""
@@ -208,6 +251,7 @@ class Schedule:
             return
         if upcoming.start_state is not None and hasattr(self._sampler, "load_state_dict"):
             self._sampler.load_state_dict(upcoming.start_state)
+            self._mark_seen()
         self._next_number = upcoming.number
         self._resume_skip = upcoming.skipped
 
@@ -242,17 +286,23 @@ class Schedule:
         it handed over (`yielded`, the resume's skip included); reads only."""
         if served is not None and not finished and not (
                 served.exhausted and served.length is not None and yielded >= served.length):
+            if yielded == served.skipped:  # none handed over yet: as it will be drawn again if it must
+                return self._state(served.number, yielded, self._as_served(served, self._upcoming or served))
             return self._state(served.number, yielded, served.start_state)
         upcoming = self._upcoming
         if upcoming is not None:  # the next epoch, opened ahead; as it will be drawn again if it must
-            state = upcoming.start_state
-            now = self._inner_state()
-            if upcoming.drawn_inner is not None and now != upcoming.drawn_inner and isinstance(state, Mapping):
-                state = {**state, "sampler": now}  # the caller set the index sampler (set_epoch) since
-            return self._state(upcoming.number, upcoming.skipped, state)
+            return self._state(upcoming.number, upcoming.skipped, self._as_served(upcoming, upcoming))
         if served is not None and served.exhausted:  # the caller has the whole epoch
             return self._state(served.number + 1, 0, self._sampler_state())
         return self._state(self._next_number, self._resume_skip, self._sampler_state())
+
+    def _as_served(self, first: Epoch, last: Epoch) -> Any:
+        """The batch sampler's state at the start of `first`, drawn but not served, as it will be
+        served: with the index sampler's state the caller set since (`last`: the latest drawn)."""
+        state = first.start_state
+        if isinstance(state, Mapping) and self._caller_set_sampler(last):
+            state = {**state, "sampler": self._inner_state()}
+        return state
 
     def _state(self, epoch: int, yielded: int, sampler_state: Any) -> dict[str, Any]:
         return {"epoch": epoch, "batches_yielded": yielded, "sampler": sampler_state, "seed": self.base_seed}
@@ -275,6 +325,7 @@ class Schedule:
         self._upcoming = None
         if state["sampler"] is not None and hasattr(self._sampler, "load_state_dict"):
             self._sampler.load_state_dict(state["sampler"])
+            self._mark_seen()
         length = len(self._sampler) if hasattr(self._sampler, "__len__") else None
         if length is not None and state["batches_yielded"] > length:
             raise ValueError(f"state['batches_yielded']={state['batches_yielded']} exceeds the {length} batches "

@@ -23,7 +23,7 @@ from ._iterator import EpochIterator, Position
 from ._options import LoaderConfig
 from ._payload import build_payload
 from ._pool import WorkerPool
-from ._schedule import Schedule
+from ._schedule import Epoch, Schedule
 from ._seed import draw_base_seed
 from ._stats import PipelineStats
 from .batchify import EachSample
@@ -274,9 +274,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         previous, position = self._epoch_iter, self._position
         if previous is not None and previous.untouched:
             previous.stop("a newer iter(loader)", keep_epoch=True)
-            epoch = previous.epoch  # a probe does not use up an epoch; its batches in flight serve on
+            epoch = self._probed_epoch(previous.epoch)
         elif previous is None and position is not None and not position.asked and not position.finished:
-            epoch = position.epoch  # a probe dropped before use: the same
+            epoch = self._probed_epoch(position.epoch)  # a probe dropped before use: the same
         else:
             self._end_iterator("a newer iter(loader)")
             self._follow_dataset_changes()
@@ -331,14 +331,28 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             draw_base_seed()
         self._iterated = True
 
+    def _probed_epoch(self, epoch: Epoch) -> Epoch:
+        """The epoch to serve after a probe (an iterator made and dropped before its first batch,
+        as Lightning's): a probe does not use up an epoch, so its epoch (and its batches in
+        flight) serve on, unless the caller set the sampler since it was drawn
+        (`set_epoch(e)`): then it is drawn again, as if no probe had been made."""
+        upcoming = self._schedule.upcoming
+        drawn = [epoch] if upcoming is None else [epoch, upcoming]
+        if self._schedule.keeps(drawn):
+            return epoch
+        for stale in drawn:
+            self._engine.discard(stale.number)
+        self._schedule.redraw(epoch)
+        return self._schedule.open()
+
     def _redraw_stale_lookahead(self) -> None:
         """The epoch opened ahead was drawn for a dataset length that has changed since (a
         growing replay buffer), or before the caller's `loader.sampler.set_epoch(e)`: drop its
         batches in flight and draw it again when opened."""
-        stale = self._schedule.stale_upcoming()
-        if stale is not None:
-            self._engine.discard(stale.number)
-            self._schedule.redraw_upcoming()
+        upcoming = self._schedule.upcoming
+        if upcoming is not None and not self._schedule.keeps([upcoming]):
+            self._engine.discard(upcoming.number)
+            self._schedule.redraw(upcoming)
 
     def _end_iterator(self, reason: str) -> None:
         iterator, position = self._epoch_iter, self._position

@@ -134,11 +134,12 @@ class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
         self._seed = None if seed is None else int(seed)
         self._epoch = 0
         self._epoch_seed: int | None = None  # drawn for the epoch about to run (seedless)
+        self._set_count = 0  # calls of set_epoch/load_state_dict: how a loader tells them from its own draws
         # torch's attributes: a permutation of every index, without replacement.
         self.data_source, self.replacement, self._num_samples, self.generator = range(self._length), False, None, None
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._indices().tolist())
+        yield from self._indices().tolist()  # drawn at the first next(), as torch's sampler draws
 
     def _prepare_epoch(self) -> None:
         """Draw the coming epoch's seed now (seedless), so that a state taken before the
@@ -163,6 +164,7 @@ class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration use the permutation of `epoch`."""
         self._epoch = int(epoch)
+        self._set_count += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self._seed, "epoch": self._epoch, "epoch_seed": self._epoch_seed}
@@ -171,6 +173,7 @@ class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
         self._seed = None if state["seed"] is None else int(state["seed"])
         self._epoch = int(state["epoch"])
         self._epoch_seed = state.get("epoch_seed")
+        self._set_count += 1
 
 
 class IntervalSampler(Sampler):
@@ -382,10 +385,12 @@ class DistributedSampler(Sampler, torch_data.DistributedSampler[Any]):
         self._shuffle = check_flag("shuffle", shuffle)
         self._seed = int(seed)
         self._epoch = 0
+        self._set_count = 0  # calls of set_epoch/load_state_dict: how a loader tells them from its own draws
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation of `epoch`; call it with the same value on every rank."""
         self._epoch = int(epoch)
+        self._set_count += 1
 
     def __len__(self) -> int:
         if self._last_batch == "pad":
@@ -395,7 +400,7 @@ class DistributedSampler(Sampler, torch_data.DistributedSampler[Any]):
         return self._length // self._num_replicas
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._indices().tolist())
+        yield from self._indices().tolist()
 
     def _indices(self) -> np.ndarray:
         """This rank's indices of the epoch as an int64 array."""
@@ -418,6 +423,7 @@ class DistributedSampler(Sampler, torch_data.DistributedSampler[Any]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._seed = int(state["seed"])
         self._epoch = int(state["epoch"])
+        self._set_count += 1
 
 
 # Samplers whose epoch `BatchSampler._index_batches` takes as one array (their `_indices()`).
