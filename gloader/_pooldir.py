@@ -13,7 +13,8 @@ directory goes with a later sweep.
 
 The directories live in a base directory of the user's own, `gloader-<uid>` in the temp
 directory (removed when its last pool directory goes), made with mode 0700 and checked (a directory, not a link, owned by the user, closed
-to others) before use, so no other user can plant, read or remove anything there. A sweep opens
+to others) before use, so no other user can plant, read or remove anything there; where another
+user took that path first, a private directory of the process's own serves instead. A sweep opens
 nothing in a way that can block or follow a link: a FIFO or a link named `alive` is left alone.
 """
 from __future__ import annotations
@@ -39,24 +40,39 @@ _ALIVE = "alive"
 _UNMARKED_GRACE_S = 3600.0
 
 
-def user_base() -> str:
-    """The user's own directory for pool directories: made 0700 if absent, checked if present.
+# This process's own base directory, used where `<tmp>/gloader-<uid>` cannot be (see user_base).
+_private_base: str | None = None
+_said_private = False
 
-    Raises:
-        PermissionError: when the path exists but is not a directory of this user's, closed
-            to others (another user made it, or it is a link), naming the path and the fix.
-    """
+
+def user_base() -> str:
+    """The user's own directory for pool directories: `<tmp>/gloader-<uid>`, made 0700 if absent,
+    checked if present. Where that path is taken by something that is not a directory of this
+    user's closed to others (another user made it first, or a link), a private directory of
+    this process's own (`<tmp>/gloader-<uid>-XXXXXXXX`, random, 0700) serves instead, and a
+    warning says so once: nobody can keep another user's loaders from starting."""
     path = os.path.join(tempfile.gettempdir(), f"gloader-{os.getuid()}")
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(f"{path} must be a directory of this user's (uid {os.getuid()}) that others cannot "
-                              f"use (mode 0700), but it is {_describe(info)}; remove it, or point TMPDIR at a "
-                              "directory of your own")
-    return path
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+        return path
+    return _private(f"{path} is {_describe(info)}, not a directory of this user's (uid {os.getuid()}) closed to "
+                    "others")
+
+
+def _private(why: str) -> str:
+    global _private_base, _said_private
+    if _private_base is None or not os.path.isdir(_private_base):  # the last pool removes it when empty
+        _private_base = tempfile.mkdtemp(prefix=f"gloader-{os.getuid()}-")
+    if not _said_private:
+        _said_private = True
+        logger.warning("%s; this process keeps its pool directories in %s instead (remove the other path, or point "
+                       "TMPDIR at a directory of your own, to share one with the user's other processes)", why,
+                       _private_base)
+    return _private_base
 
 
 def _describe(info: os.stat_result) -> str:

@@ -2,12 +2,25 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Iterator
 
 import psutil
 import pytest
+
+# The run's own temp directory, set before any pool starts (child processes inherit it): the
+# tests that count gloader's files under `<tmp>/gloader-<uid>` then count only what this run
+# made, whatever other programs of the same user (another gloader program too) make meanwhile.
+_RUN_TMP = tempfile.mkdtemp(prefix="gloader-tests-")
+os.environ["TMPDIR"] = _RUN_TMP
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    shutil.rmtree(_RUN_TMP, ignore_errors=True)
 
 # Grace period for the operating system to reap children and for daemon threads to finish
 # after close() returned. Polled, not slept: the check passes as soon as counts are back.

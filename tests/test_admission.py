@@ -51,18 +51,28 @@ def one_cpu(monkeypatch) -> None:
     monkeypatch.setattr(_pool, "usable_cpus", lambda: 1)
 
 
-@pytest.mark.parametrize("start_method", [None, "spawn"])
-def test_cpu_bound_tasks_beyond_the_cpus_go_to_one_worker_per_cpu(one_cpu, start_method) -> None:
-    """The others wait for a permit instead of time-sharing the CPU (the test without the
-    run delay below shows the same load overlapping). Spawned workers open the permits by
-    their paths. Which worker holds the permit may change: a holder whose tasks blocked more
-    than _BLOCKED_SHARE on average (page faults of a cold first run did, once, in CI) hands it
-    on; one task at a time is the rule."""
+def _spin_rows(start_method: str | None) -> np.ndarray:
     with DataLoader(_data.Occupies("spin"), batch_size=1, num_workers=3, start_method=start_method,
                     timeout=30) as loader:
         rows = np.concatenate([batch.numpy() for _ in range(3) for batch in loader])
         assert len(loader.worker_pids()) == 3
-    assert _overlaps(rows) == 0
+    return rows
+
+
+@pytest.mark.parametrize("start_method", [None, "spawn"])
+def test_cpu_bound_tasks_beyond_the_cpus_go_to_one_worker_per_cpu(monkeypatch, start_method) -> None:
+    """The others wait for a permit instead of time-sharing the CPU. Spawned workers open the
+    permits by their paths. Which worker holds the permit may change: a holder whose tasks
+    blocked more than _BLOCKED_SHARE on average hands it on, and on a machine busy with other
+    programs a spinning task that waits for its CPU looks blocked, so a few overlaps happen
+    there. The rule is measured against the same load with a CPU for every worker (no
+    permits), in the same test: one task at a time makes a small fraction of its overlaps."""
+    monkeypatch.setattr(_pool, "usable_cpus", lambda: 3)
+    free = _overlaps(_spin_rows(start_method))
+    monkeypatch.setattr(_pool, "usable_cpus", lambda: 1)
+    admitted = _overlaps(_spin_rows(start_method))
+    assert free > 20  # 72 samples on 3 workers: without permits they overlap all along
+    assert admitted <= free // 8, (admitted, free)
 
 
 def test_tasks_that_block_run_side_by_side_beyond_the_permits(one_cpu) -> None:

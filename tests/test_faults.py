@@ -451,17 +451,17 @@ def test_a_shared_pool_closes_promptly_after_a_loader_lost_a_task_to_a_dead_work
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-pool", "shared-pool"])
 def test_a_killed_worker_is_reported_promptly_on_an_own_and_on_a_shared_pool(shared: bool, tmp_path) -> None:
-    """About 40-50 ms here for both (a shared pool took ~250: it waited 0.2 s for the lost
-    task before raising); the bound leaves a loaded CI machine a wide margin."""
+    """Reported by watching the workers, not by the batch's timeout (60 s here): about 40-50 ms
+    on an idle machine for both, seconds at most on a busy one."""
     stamp = tmp_path / "killed-at"
     pool = gloader.WorkerPool(2) if shared else None
     try:
         kwargs = {"pool": pool} if shared else {"num_workers": 2}
-        with DataLoader(_data.StampsAndDies(20, str(stamp)), batch_size=4, **kwargs) as loader:
+        with DataLoader(_data.StampsAndDies(20, str(stamp)), batch_size=4, timeout=60, **kwargs) as loader:
             with pytest.raises(gloader.WorkerExitedError):
                 list(loader)
             reported = time.time()
     finally:
         if pool is not None:
             pool.close()
-    assert reported - float(stamp.read_text()) < 0.2
+    assert reported - float(stamp.read_text()) < 10

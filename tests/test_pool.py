@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gloader
-from gloader import DataLoader, WorkerPool, _worker
+from gloader import DataLoader, WorkerPool, _pooldir, _worker
 from tests import _data
 from tests.conftest import payload_dirs
 
@@ -493,20 +493,33 @@ def test_files_planted_in_the_shared_temp_directory_neither_hang_nor_reach_a_new
     assert _pooldir.sweep_orphans(str(base)) == 0
 
 
-def test_a_base_directory_others_can_use_is_refused_naming_the_path_and_the_fix(tmp_path, monkeypatch) -> None:
+def test_a_base_directory_others_can_use_is_left_alone_for_a_private_one_said_once(tmp_path, monkeypatch,
+                                                                                   caplog) -> None:
+    """Another user who makes `<tmp>/gloader-<uid>` first (here: open to everyone, then a link)
+    cannot keep this user's loaders from starting, threads included: a private directory of the
+    process's own serves, a warning names both paths and the fix once, and nothing of the
+    other path is touched."""
+    import logging
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(_pooldir, "_private_base", None)
+    monkeypatch.setattr(_pooldir, "_said_private", False)
     base = tmp_path / f"gloader-{os.getuid()}"
     base.mkdir(mode=0o777)
     base.chmod(0o777)  # as another user could leave it, open to everyone
-    with pytest.raises(PermissionError, match=rf"{base} must be a directory of this user's .* mode 777.*TMPDIR"):
-        with DataLoader(np.arange(4), batch_size=2, num_workers=1) as loader:
-            list(loader)
-    base.rmdir()
-    base.symlink_to(tmp_path)
-    with pytest.raises(PermissionError, match="it is a link"):
-        WorkerPool(1)
+    with caplog.at_level(logging.WARNING, logger="gloader"):
+        for thread_pool in (False, True):
+            with DataLoader(np.arange(4), batch_size=2, num_workers=1, thread_pool=thread_pool) as loader:
+                assert torch.cat(list(loader)).tolist() == [0, 1, 2, 3]
+        base.rmdir()
+        base.symlink_to(tmp_path)
+        with WorkerPool(1) as pool, DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
+            assert len(list(loader)) == 2
+    said = [r.getMessage() for r in caplog.records if "pool directories" in r.getMessage()]
+    assert len(said) == 1 and f"{base} is a directory of uid {os.getuid()} with mode 777" in said[0]
+    assert "TMPDIR" in said[0]
+    assert base.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == [base.name]  # the private one went
 
 
 def _big_bytes(samples: list[Any]) -> bytes:
