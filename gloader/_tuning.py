@@ -50,6 +50,17 @@ _IDLE = 0.5
 # and how far over the budget they may run before the pool shrinks.
 _CPU_FILL = 0.9
 _CPU_OVER = 1.15
+# CPUs free (idle on the machine and left in the budget) that let a waiting caller's pool grow
+# by one worker even where a whole worker's CPU use does not fit (1 -> 2 workers on 2 CPUs,
+# beside the caller). Lower: grows into CPUs the caller needs; higher: a CPU left idle.
+_FREE_CPU = 0.5
+# Time the caller spends away from the loader between two batches (a validation pass, a
+# checkpoint, the end of an epoch) longer than both of these is not measured: the window opens
+# again. Its usual time away (a training step) is followed with weight _AWAY_WEIGHT a batch.
+# Larger: pauses up to that long count as idle workers; smaller: slow steps restart windows.
+_AWAY_S = 1.0
+_AWAY_RATIO = 10.0
+_AWAY_WEIGHT = 0.1
 # A grow must raise the batches per second by this share of its relative size (2 -> 4
 # workers: by 0.3 x 100%) or it is taken back. Higher: fewer useless workers kept; lower:
 # fewer grows taken back on a noisy host.
@@ -178,6 +189,8 @@ class Tuner:
         self._blocked: dict[int, float] = {}  # count -> until when it is not tried again
         self._grown_from: tuple[int, float] | None = None  # the count and rate before the latest grow
         self._uss: dict[int, int] = {}  # pid -> its latest USS reading (a few are read each window)
+        self._last_at = clock()  # when the latest batch was collected
+        self._usual_away_s: float | None = None  # the caller's usual time away between batches
         self.settling = True  # until the pool's workers all run (see begin)
         self._open_window(None)
 
@@ -204,7 +217,17 @@ class Tuner:
         self._open_window(pids)
 
     def observe(self, waited_s: float, worker_s: float) -> None:
-        """A batch collected: the caller waited `waited_s` for it, a worker spent `worker_s` on it."""
+        """A batch collected: the caller waited `waited_s` for it, a worker spent `worker_s` on it.
+        After a time away from the loader far longer than its usual one (a validation pass
+        between epochs), the window opens again: the workers idled because nobody asked."""
+        now = self._clock()
+        away = max(0.0, now - self._last_at - waited_s)
+        self._last_at = now
+        usual = self._usual_away_s
+        self._usual_away_s = away if usual is None else usual + _AWAY_WEIGHT * (away - usual)
+        if away > max(_AWAY_S, _AWAY_RATIO * (usual or 0.0)):
+            self.settling = True  # the engine opens a new window (`begin`) at once: no resize is under way
+            return
         self._batches += 1
         self._waited_s += waited_s
         self._worker_s += worker_s
@@ -284,9 +307,11 @@ class Tuner:
         if m.cpu is not None:
             per_worker_cpu = m.cpu / count
             if per_worker_cpu > 0:
-                add = min(add, math.floor((self.cpu_budget * _CPU_FILL - m.cpu) / per_worker_cpu))
+                free = self.cpu_budget - m.cpu if m.idle_cpus is None else min(self.cpu_budget - m.cpu, m.idle_cpus)
+                fits = math.floor((self.cpu_budget * _CPU_FILL - m.cpu) / per_worker_cpu)
                 if m.idle_cpus is not None:
-                    add = min(add, math.floor(m.idle_cpus / per_worker_cpu))
+                    fits = min(fits, math.floor(m.idle_cpus / per_worker_cpu))
+                add = min(add, max(fits, 1 if free >= _FREE_CPU else 0))
         if m.uss_bytes and self.memory_budget is not None:
             add = min(add, math.floor((self.memory_budget - m.uss_bytes) / (m.uss_bytes / count)))
         for blocked, until in self._blocked.items():

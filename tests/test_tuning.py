@@ -75,6 +75,51 @@ def test_growth_stops_at_the_cpu_budget_and_the_memory_budget_and_the_most_worke
     assert tuner(start=12, most=16).decide(measures(count=12, cpu=0.1)) == 16
 
 
+def test_a_waiting_caller_grows_one_worker_into_a_free_cpu_even_where_a_whole_worker_does_not_fit() -> None:
+    # One CPU-bound worker on 2 CPUs, the caller using a few tenths of the other: 90% of the
+    # budget less 1.0 fits no whole worker, but a CPU is free, and the caller waits.
+    assert tuner(start=1).decide(measures(count=1, cpu=1.0, idle=0.7)) == 2
+    assert tuner(start=1).decide(measures(count=1, cpu=1.0, idle=0.3)) is None  # other programs took it
+    assert tuner(start=2).decide(measures(count=2, cpu=1.9, idle=0.6)) is None  # the budget is full
+
+
+def _feed(t: _tuning.Tuner, clock: Clock, batches: int, step_s: float, wait_s: float) -> None:
+    """`batches` batches, the caller away `step_s` (its training step) and waiting `wait_s` for each."""
+    for _ in range(batches):
+        clock.now += step_s + wait_s
+        t.observe(wait_s, 2 * (step_s + wait_s))
+
+
+def test_time_away_from_the_loader_is_not_measured_as_idle_workers() -> None:
+    """A validation pass of 30 s between two epochs: the workers idle because nobody asks, and
+    the window that spans it opens again instead of shrinking the pool."""
+    clock = Clock()
+    t = tuner(clock=clock)
+    t.begin([])
+    _feed(t, clock, 40, step_s=0.02, wait_s=0.01)
+    clock.now += 30.0  # validation
+    _feed(t, clock, 1, step_s=0.0, wait_s=0.01)
+    assert t.settling  # the window opens again
+    t.begin([])
+    _feed(t, clock, 40, step_s=0.02, wait_s=0.01)
+    assert t.due()
+    m = t.measure([])
+    assert m.wait > 0.3 and m.busy > 1.9  # what the training steps measure, without the pass
+    assert t.decide(m) == 4
+
+
+def test_a_steady_slow_training_step_is_not_taken_for_time_away() -> None:
+    clock = Clock()
+    t = tuner(clock=clock)
+    t.begin([])
+    _feed(t, clock, 1, step_s=1.5, wait_s=0.0)  # the first: nothing to compare with yet
+    t.begin([])
+    _feed(t, clock, 6, step_s=1.5, wait_s=0.0)
+    assert not t.settling and t.due()
+    m = t.measure([])
+    assert m.wait < 0.01 and t.decide(_tuning.Measures(m.wall_s, 6, 0.0, 0.1, 0.1, 1.8, 40 * MiB)) == 1  # shrinks
+
+
 def test_it_shrinks_when_over_a_budget_or_when_the_workers_idle_ahead_of_the_caller() -> None:
     t = tuner(start=8, memory_budget=100 * MiB)
     assert t.decide(measures(count=8, uss=200 * MiB)) == 4
@@ -272,8 +317,10 @@ def test_a_worker_killed_while_the_pool_resizes_is_reported_and_the_next_epoch_i
 # --- the tuner on real workloads (decisions from what is measured) --------------------------
 
 def test_samples_that_wait_grow_the_pool_and_the_count_and_why_are_shown(quick_windows, capsys) -> None:
+    # 10 ms waits: the caller, at well under a millisecond a batch, waits for them even when
+    # other programs keep it off the CPU much of the time.
     quick_windows.setattr(_tuning, "_DECIDE_S", 0.2)
-    with DataLoader(_data.Waits(0.004, length=800), batch_size=4, num_workers="auto", cpu_budget=2,
+    with DataLoader(_data.Waits(0.01, length=800), batch_size=4, num_workers="auto", cpu_budget=2,
                     progress=True) as loader:
         assert torch.cat(list(loader)).flatten().tolist() == list(range(800))
         workers = loader.stats()["workers"]
