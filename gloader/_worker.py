@@ -266,8 +266,17 @@ class WorkerState:
                 pickle.loads(exception)  # some exceptions pickle but cannot be rebuilt; find out here
             except Exception:
                 exception = None
-        return WorkerFailure(f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb_text, context,
+        return WorkerFailure(f"{type(exc).__module__}.{type(exc).__qualname__}", _message_of(exc), tb_text, context,
                              batch_index, sample_index, self.worker_id, os.getpid(), exception)
+
+
+def _message_of(exc: BaseException) -> str:
+    """str(exc), or what says it could not be had: an exception whose __str__ raises still
+    fails its own batch alone, named, and the batches beside it come."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        return f"<str() of the {type(exc).__qualname__} raised {type(inner).__qualname__}>"
 
 
 def execute(state: WorkerState, registration: Registration, loader_id: int, epoch: int, batch_index: int,

@@ -91,6 +91,29 @@ class UnrebuildableError(Exception):
         super().__init__(f"{code}: {detail}")
 
 
+class UnprintableError(Exception):
+    """Its __str__ raises, as a careless exception class's may."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text for this error")
+
+
+class RaisesUnprintable(gloader.Dataset):
+    """Sample `bad` raises an UnprintableError; the others are [i]."""
+
+    def __init__(self, bad: int, length: int = 64) -> None:
+        self.bad = bad
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.bad:
+            raise UnprintableError()
+        return np.array([idx], dtype=np.int64)
+
+
 class RaisesUnrebuildable(gloader.Dataset):
     def __len__(self) -> int:
         return 8

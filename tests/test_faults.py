@@ -50,7 +50,7 @@ def _check_dead_worker_report(loader: DataLoader, says: str) -> None:
     with pytest.raises(RuntimeError, match=says) as info:
         for _ in it:
             pass
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 20.0  # by watching the workers, not after the 120 s timeout
     message = str(info.value)
     assert "pid" in message and any(str(pid) in message for pid in pids)
     # Sample 20 is in batch 5 of every epoch; the next epoch's first batches may be loading too.
@@ -445,8 +445,8 @@ def test_a_shared_pool_closes_promptly_after_a_loader_lost_a_task_to_a_dead_work
             started = time.monotonic()
             pool.close()
             took = time.monotonic() - started
-    assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
-    assert took < 0.9  # the workers take their stop sentinels: no terminate after the 1 s ask
+    assert not [r for r in caplog.records if "did not stop" in r.getMessage()]  # no terminate after the ask
+    assert took < 30.0
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-pool", "shared-pool"])

@@ -102,7 +102,7 @@ def test_on_a_shared_pool_a_death_is_reported_to_the_loader_whose_batch_it_held(
             with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) is killed by signal: Killed \(SIGKILL\).*loading batch 1 of "
                                                                 r"epoch 0 for loader"):
                 next(it)
-            assert time.monotonic() - started < 2.0  # promptly, not after its timeout
+            assert time.monotonic() - started < 20.0  # promptly, not after its 120 s timeout
 
 
 def test_a_hung_worker_on_a_shared_pool_is_replaced_after_the_timeout() -> None:
@@ -159,7 +159,7 @@ def test_a_dead_worker_is_reported_promptly() -> None:
         started = time.monotonic()
         with pytest.raises(gloader.WorkerExitedError, match=f"pid {victim}"):
             next(it)
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 10.0  # not after the 30 s sample, nor the 120 s timeout
 
 
 @pytest.mark.parametrize("mode", [{"num_workers": 1}, {"num_workers": 1, "thread_pool": True}])
@@ -307,7 +307,7 @@ def test_interpreter_exit_with_a_shared_pool_open_is_prompt_and_quiet(tmp_path, 
         elapsed = time.monotonic() - started
         stderr = proc.stderr.read()
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
-    assert elapsed < 4.0
+    assert elapsed < 15.0  # no join waits out its deadline (a busy machine takes seconds)
     assert dev_shm_names() - names_before == set()
 
 
@@ -520,3 +520,12 @@ def test_workers_of_a_killed_caller_exit_with_a_code_that_says_so() -> None:
         assert set(codes.values()) <= {EXIT_CALLER_GONE, EXIT_TASKS_CLOSED}, codes
     finally:
         libc.prctl(36, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("mode", [{}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
+def test_an_exception_whose_str_raises_fails_its_batch_alone_named(mode: dict) -> None:
+    with DataLoader(_data.RaisesUnprintable(bad=13), batch_size=2, **mode) as loader:
+        got, errors = take_all(iter(loader), _data.UnprintableError)
+    assert len(errors) == 1
+    assert "batch 6 of epoch 0, at sample index 13" in errors[0].__notes__[-1]
+    assert sorted(torch.cat(got).flatten().tolist()) == [i for i in range(64) if i not in (12, 13)]
