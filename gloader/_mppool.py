@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 __all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_RETIRED", "EXIT_TASKS_CLOSED", "ProcessLock", "disk_full",
-           "forget_task", "forget_pool_after_fork", "make_pool_class", "make_thread_pool", "on_result_sent",
+           "forget_task", "forget_pool_after_fork", "is_retire_task", "make_pool_class", "make_thread_pool", "on_result_sent",
            "on_task_taken", "on_task_wanted", "pool_resizing", "pool_running", "pool_workers", "release_pool_files",
            "resize_pool", "send_partial", "stop_maintenance"]
 
@@ -385,6 +385,11 @@ def _retire() -> None:
     """A retire task: the worker that takes it exits (it holds no batch: tasks are taken one
     at a time, so it had finished its last)."""
     os._exit(EXIT_RETIRED)
+
+
+def is_retire_task(task: Any) -> bool:
+    """Whether `task`, as the worker loop takes it (`(job, i, func, args, kwargs)`), is a retire task."""
+    return isinstance(task, tuple) and len(task) == 5 and task[2] is _retire
 
 
 def pool_resizing(pool: Any) -> bool:

@@ -477,7 +477,8 @@ class ProcessCore(PoolCore):
             if process in self._killed:
                 self._killed.discard(process)
                 continue
-            if code == EXIT_RETIRED and self._retiring:  # it took a retire task: asked to go
+            if code == EXIT_RETIRED and self._retiring and self.status is not None and self.status.retired(process.pid):
+                # it took a retire task: asked to go (a dataset's own exit with that code is a death)
                 self._retiring -= 1
                 continue
             if not self._has_started(process.pid):

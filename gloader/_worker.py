@@ -33,7 +33,7 @@ from typing import Any, Callable, ContextManager
 from . import _registry
 from ._admission import Admission
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
-from ._mppool import on_result_sent, on_task_taken, on_task_wanted, send_partial
+from ._mppool import is_retire_task, on_result_sent, on_task_taken, on_task_wanted, send_partial
 from ._protocol import StreamRequest, WorkerFailure, encode, encode_answers
 from ._registry import Payload, Registration
 from ._seed import seed_global_rng
@@ -82,6 +82,7 @@ class StatusTable:
     FIELDS = 4
     ROWS_PER_WORKER = 4
     _PID, _LOADER, _EPOCH, _BATCH = range(FIELDS)
+    _RETIRED = -2  # in the batch field: the worker took a retire task
 
     def __init__(self, array: Any, num_workers: int) -> None:
         self._array = array
@@ -105,6 +106,18 @@ class StatusTable:
 
     def mark_idle(self, row: int) -> None:
         self._array[self._base(row) + self._BATCH] = -1
+
+    def mark_retired(self, row: int) -> None:
+        """The worker took a retire task (written by the pool's worker loop, before the task runs,
+        where no dataset code runs): its exit with EXIT_RETIRED is the pool's request, and the
+        same exit code from a dataset (`os._exit(120)` while loading) is told apart as a death."""
+        base = self._base(row)
+        self._array[base + self._LOADER:base + self.FIELDS] = [-1, -1, self._RETIRED]
+
+    def retired(self, pid: int) -> bool:
+        """Whether worker `pid` took a retire task (see `mark_retired`)."""
+        return any(self._array[row * self.FIELDS + self._PID] == pid
+                   and self._array[row * self.FIELDS + self._BATCH] == self._RETIRED for row in range(self.rows))
 
     def claim_id(self, incarnations: Any, pid: int) -> tuple[int, int]:
         """(worker id, row) for a starting worker: the first id whose last holder is gone.
@@ -454,6 +467,8 @@ def _claim_task(link: _ProcessLink, task: Any) -> None:
     if isinstance(task, tuple) and len(task) == 5 and task[2] is run_task:
         loader_id, epoch, batches = task[3][:3]
         link.begin(loader_id, epoch, batches[0][0])
+    elif is_retire_task(task):
+        link.status.mark_retired(link.row)
 
 
 def _prepare_process(spec: PoolSpec) -> None:

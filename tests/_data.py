@@ -500,6 +500,28 @@ class ExitsAt(gloader.Dataset):
         return np.array([idx])
 
 
+class ExitsWhenTold(gloader.Dataset):
+    """Sample `bad` writes its worker's pid to `stamp`, waits (10 s at most) for the file `go`,
+    then ends the worker with `os._exit(code)`; the others are [i]."""
+
+    def __init__(self, bad: int, code: int, go: str, stamp: str, length: int = 16) -> None:
+        self.bad, self.code, self.go, self.stamp, self.length = bad, code, go, stamp, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.bad:
+            with open(self.stamp + ".tmp", "w") as out:
+                out.write(str(os.getpid()))
+            os.rename(self.stamp + ".tmp", self.stamp)
+            deadline = time.monotonic() + 10
+            while not os.path.exists(self.go) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            os._exit(self.code)
+        return np.array([idx])
+
+
 def spin(seconds: float) -> None:
     """Keep this thread's CPU busy for `seconds` of its own CPU time."""
     until = time.thread_time() + seconds

@@ -314,6 +314,35 @@ def test_a_worker_killed_while_the_pool_resizes_is_reported_and_the_next_epoch_i
         assert [b.tolist() for b in loader] == expected  # a new pool, at the count the tuner had reached
 
 
+def test_a_dataset_exiting_with_the_retire_code_while_the_pool_shrinks_is_a_death_naming_its_batch(
+        quick_windows, tmp_path) -> None:
+    """A worker asked to retire exits with EXIT_RETIRED; a dataset that exits with the same code
+    while a retire is pending must not be taken for it: the error names that worker and batch."""
+    import threading
+
+    from gloader._mppool import EXIT_RETIRED
+
+    quick_windows.setattr(_tuning.Tuner, "_choose", Scripted([]))  # the test resizes, not the tuner
+    go, stamp = tmp_path / "go", tmp_path / "pid"
+    dataset = _data.ExitsWhenTold(bad=0, code=EXIT_RETIRED, go=str(go), stamp=str(stamp))
+    with DataLoader(dataset, batch_size=2, num_workers="auto", cpu_budget=2) as loader:
+        def shrink_then_exit() -> None:  # while the caller waits for batch 0
+            if wait_until(stamp.exists, 30.0):
+                assert loader._engine._backend.core.resize(1)
+            go.touch()
+
+        helper = threading.Thread(target=shrink_then_exit)
+        helper.start()
+        try:
+            with pytest.raises(WorkerExitedError) as info:
+                next(iter(loader))
+        finally:
+            helper.join(30)
+    exited = int(stamp.read_text())
+    assert f"DataLoader worker (pid {exited}) exited unexpectedly with code {EXIT_RETIRED}" in str(info.value)
+    assert "It was loading batch 0 of epoch 0" in str(info.value)
+
+
 # --- the tuner on real workloads (decisions from what is measured) --------------------------
 
 def test_samples_that_wait_grow_the_pool_and_the_count_and_why_are_shown(quick_windows, capsys) -> None:
