@@ -9,6 +9,7 @@ file on the worker's first task for it. Never imports caller-side code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import threading
 import traceback
@@ -18,7 +19,7 @@ import numpy as np
 
 from ._seed import seed_global_rng
 
-__all__ = ["Payload", "Registration", "WorkerInfo", "get_worker_info", "lookup", "register_loader",
+__all__ = ["Payload", "Registration", "WorkerInfo", "get_worker_info", "lookup", "register_loader", "renewed",
            "registered_from_file", "registered_ids", "set_current_info", "set_torch_worker_info",
            "unregister_loader"]
 
@@ -72,6 +73,8 @@ class Registration:
     torch_info: Any = None  # what torch.utils.data.get_worker_info() returns in a process worker
     fetch_threads: int | str | None = None
     fetcher: Any = None  # made at the first batch (see _fetch.Fetcher)
+    again: Callable[[], None] | None = None  # registers anew (worker_init_fn raised; see `renewed`)
+    failed_epoch: int | None = None  # the epoch whose tasks report the failure
 
 
 _LOCK = threading.Lock()
@@ -163,8 +166,26 @@ def register_loader(loader_id: int, payload: Payload, worker_id: int, num_worker
         registration.error = exc
         registration.error_traceback = traceback.format_exc()
         registration.error_context = _STAGE_FAILURES[stage]
+        if stage == "worker_init_fn call":  # may pass another time (a file not there yet, a flaky mount)
+            registration.again = functools.partial(register_loader, loader_id, payload, worker_id, num_workers,
+                                                   seeds_globals, from_file)
     with _LOCK:
         _LOADERS[loader_id] = registration
+
+
+def renewed(registration: Registration, loader_id: int, epoch: int) -> Registration:
+    """The registration to load a task of `epoch` with. One whose worker_init_fn raised reports
+    that for the tasks of the epoch that first saw it, and is made again (worker_init_fn runs
+    again) at the first task of a later epoch, as torch's next epoch starts its workers anew:
+    a worker_init_fn that failed once does not fail every later epoch of the worker."""
+    if registration.again is None:
+        return registration
+    if registration.failed_epoch is None:
+        registration.failed_epoch = epoch
+    if epoch == registration.failed_epoch:
+        return registration
+    registration.again()
+    return lookup(loader_id) or registration
 
 
 def _run_worker_init_fn(fn: Any, registration: Registration, worker_id: int, num_workers: int, seed: int,

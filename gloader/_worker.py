@@ -296,6 +296,8 @@ def execute(state: WorkerState, registration: Registration, loader_id: int, epoc
             seed: int, work: Any, space: SlotSpace | None) -> Any:
     """Load one batch of a registered loader; answer with a message, never raise."""
     if registration.error is not None:
+        registration = _registry.renewed(registration, loader_id, epoch)
+    if registration.error is not None:
         return state.failure(registration.error, registration.error_traceback, registration.error_context,
                              batch_index, None)
     cursor = Cursor()

@@ -229,6 +229,15 @@ def failing_init(worker_id: int) -> None:
     raise PermissionError(f"worker {worker_id} cannot open the database")
 
 
+def fails_the_first_time(marker: str, worker_id: int) -> None:
+    """A worker_init_fn that raises in the first worker to run it (it makes `marker`), only once."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    raise PermissionError(f"worker {worker_id} cannot open the database yet")
+
+
 def record_init(worker_id: int) -> None:
     os.environ["GLOADER_TEST_WORKER_ID"] = str(worker_id)
 

@@ -531,3 +531,29 @@ def test_an_exception_whose_str_raises_fails_its_batch_alone_named(mode: dict) -
     assert len(errors) == 1
     assert "batch 6 of epoch 0, at sample index 13" in errors[0].__notes__[-1]
     assert sorted(torch.cat(got).flatten().tolist()) == [i for i in range(64) if i not in (12, 13)]
+
+
+@pytest.mark.parametrize("mode", [{"num_workers": 2}, {"num_workers": 2, "persistent_workers": True},
+                                  {"num_workers": 2, "thread_pool": True}, {"shared": True}],
+                         ids=["own", "persistent", "threads", "shared-pool"])
+def test_a_worker_init_fn_that_raised_once_runs_again_at_the_next_epoch(mode: dict, tmp_path) -> None:
+    """torch starts its workers anew each epoch, persistent ones after a failure too: a worker
+    whose worker_init_fn raised fails its batches of that epoch, and loads the next epochs.
+    (Thread workers share one registration per loader, the last one made: the failing one may
+    serve the first epoch or not.)"""
+    import functools
+
+    init = functools.partial(_data.fails_the_first_time, str(tmp_path / "tried"))
+    pool = WorkerPool(2) if mode.pop("shared", False) else None
+    try:
+        options = {"pool": pool} if pool is not None else mode
+        with DataLoader(np.arange(32), batch_size=2, worker_init_fn=init, **options) as loader:
+            got, errors = take_all(iter(loader), PermissionError)
+            assert errors or options.get("thread_pool")
+            assert all("cannot open the database yet" in str(e) for e in errors)
+            assert len(got) + len(errors) == 16
+            for _ in range(2):
+                assert torch.cat(list(loader)).tolist() == list(range(32))
+    finally:
+        if pool is not None:
+            pool.close()
