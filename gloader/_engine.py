@@ -467,9 +467,10 @@ class Engine:
         (none once the loader is closed)."""
         return [] if self._closed else self._running().worker_processes()
 
-    def shared_memory_bytes(self) -> int:
+    def shared_memory_bytes(self) -> tuple[int, int]:
+        """(resident, mapped) bytes of the loader's shared-memory slots."""
         slots = self._backend.slots if self._backend is not None else None
-        return slots.in_use_bytes() if slots is not None else 0
+        return (slots.in_use_bytes(), slots.capacity_bytes()) if slots is not None else (0, 0)
 
     @property
     def slots(self) -> SlotPool | None:

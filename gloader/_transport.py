@@ -129,6 +129,7 @@ def _libc() -> Any:
                               ctypes.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _LIBC = libc
     return _LIBC
 
@@ -444,10 +445,19 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
 
 
 def _used_bytes(slot: _Lendable) -> int:
+    """Bytes of the slot's memory that are resident: its descriptor's blocks, or where it gave
+    the descriptor up, the pages of its mapping in memory (mincore); its size where neither
+    can be read."""
     try:
-        return os.fstat(slot.fd).st_blocks * 512 if slot.fd >= 0 else len(slot.segment)
+        if slot.fd >= 0:
+            return os.fstat(slot.fd).st_blocks * 512
     except OSError:
         return len(slot.segment)
+    pages = -(-len(slot.segment) // _PAGE_BYTES)
+    present = np.zeros(pages, dtype=np.uint8)
+    if _libc().mincore(ctypes.addressof(slot.segment), len(slot.segment), present.ctypes.data) != 0:
+        return len(slot.segment)
+    return int(np.count_nonzero(present & 1)) * _PAGE_BYTES
 
 
 class _Lendable:
@@ -750,10 +760,15 @@ class SlotPool:
                 lent.tail_given = True
 
     def in_use_bytes(self) -> int:
-        """Bytes of shared memory this loader's slots hold (free slots included; of a probe slot,
-        the pages written; of a slot with pages given back, those left)."""
+        """Bytes of shared memory this loader's slots hold in memory (free slots included: the
+        pages written and not given back)."""
         with self._lock:
             return sum(map(_used_bytes, self._slots.values()))
+
+    def capacity_bytes(self) -> int:
+        """Bytes of shared memory this loader's slots have mapped, written or not."""
+        with self._lock:
+            return sum(len(slot.segment) for slot in self._slots.values())
 
     def close(self) -> None:
         """Retire every slot; batches the user still holds stay valid until freed."""

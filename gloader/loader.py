@@ -131,7 +131,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             process, for datasets whose samples wait (object storage, a network file system,
             an HTTP service); 'auto' follows how much they wait. Opt-in: `__getitem__` must be
             thread-safe. Each sample's `get_worker_info()` has its own seed and `rng`, the same
-            for any thread count; the process-wide generators (`random`, numpy's, torch's) are
+            for any thread count (1 included) and worker count, but not the batch's that they
+            are without fetch_threads; the process-wide generators (`random`, numpy's, torch's) are
             seeded per batch and shared by the threads, so their draws are not reproducible.
             None (default): samples are fetched one after the other.
         cpu_budget: with num_workers='auto', the CPUs the workers may keep busy (a positive
@@ -450,7 +451,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         Returns:
             {"epochs": {epoch: timings} (the latest 64 epochs; "total" counts all), "total":
             timings, "in_flight": batches dispatched and not yet handed over, "shared_memory_bytes":
-            mapped by this loader}. Timings (in seconds) are: `batches`, `wall_s` (first batch
+            what this loader's shared memory holds in memory (batches held, in flight and free
+            slots' written pages), "shared_memory_capacity_bytes": what it has mapped}.
+            Timings (in seconds) are: `batches`, `wall_s` (first batch
             requested to last handed over), `waited_s` (time the caller spent waiting for batches),
             `wait_fraction` (near 1: training is input-bound; near 0: loading keeps up),
             `batches_per_s`, and each hop of a batch's trip, summed over batches: `dispatch_s`
@@ -464,7 +467,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             "from", "to", "why" (what was measured)}. With fetch_threads, also "fetch_threads":
             {worker id: threads its latest batch was fetched with}.
         """
-        snapshot = self._stats.snapshot(self._engine.in_flight, self._engine.shared_memory_bytes())
+        resident, mapped = self._engine.shared_memory_bytes()
+        snapshot = self._stats.snapshot(self._engine.in_flight, resident)
+        snapshot["shared_memory_capacity_bytes"] = mapped
         opts = self._options
         workers: dict[str, Any] = {"count": self._engine.worker_count, "kind": opts.worker_kind,
                                    "chosen_by": opts.workers_chosen}

@@ -29,6 +29,16 @@ def test_samples_and_their_own_draws_are_the_same_for_any_thread_and_worker_coun
     assert len(set(want[:, 1].tolist())) == 64  # each sample has its own generator, not the batch's
 
 
+def test_without_fetch_threads_the_draws_are_the_batchs_so_turning_them_on_changes_them() -> None:
+    """What the docs say stays the same, and what does not: fetch_threads=1 is the threaded
+    rule (a generator per sample), None the batch's generator shared by its samples in turn."""
+    batch_rule = _epoch(num_workers=1)
+    assert torch.equal(_epoch(num_workers=2), batch_rule)
+    sample_rule = _epoch(num_workers=1, fetch_threads=1)
+    assert torch.equal(sample_rule[:, 0], batch_rule[:, 0])  # the same samples in the same order
+    assert not torch.equal(sample_rule[:, 1], batch_rule[:, 1])  # drawn from other generators
+
+
 def test_samples_are_fetched_concurrently() -> None:
     # every sample waits for another one beside it: fetched one at a time, none would come
     with DataLoader(_data.MeetsInPairs(16), batch_size=4, num_workers=1, fetch_threads=2) as loader:

@@ -119,3 +119,17 @@ def test_progress_bar_redraws_in_place_on_a_terminal(capsys: pytest.CaptureFixtu
         list(loader)
     err = capsys.readouterr().err
     assert err.startswith("\repoch 0") and err.endswith("\n") and err.count("\n") == 1 and "10/10" in err
+
+
+def test_shared_memory_bytes_are_what_is_resident_and_the_mapped_capacity_is_beside_them() -> None:
+    """Held batches each keep a slot mapped that was sized for a task of several batches: the
+    mapping is far larger than what its written pages hold, and the figure users read for
+    memory is the latter."""
+    data = np.ones((200, 65536), dtype=np.float32)  # 256 KiB a sample, 1 MiB a batch
+    with DataLoader(data, batch_size=4, num_workers=2) as loader:
+        held = [batch for i, batch in enumerate(loader) if i % 4 == 0]
+        stats = loader.stats()
+        held_bytes = sum(batch.numel() * batch.element_size() for batch in held)
+        assert held_bytes <= stats["shared_memory_bytes"] <= 1.5 * held_bytes + 16 * 2**20
+        assert stats["shared_memory_capacity_bytes"] >= stats["shared_memory_bytes"]
+        del held
