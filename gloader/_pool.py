@@ -562,9 +562,13 @@ class ProcessCore(PoolCore):
         if prompt or not _join_all(processes, _ASK_S):
             self._stop_maintenance()
             alive = [p for p in set(processes) | set(pool_workers(pool)) if p.exitcode is None]
+            busy = [p.pid for p in alive if self.status is not None and self.status.doing(p.pid) is not None]
             if prompt:
                 logger.warning("gloader workers %s: terminating them after a failed batch (a dead worker or "
                                "a timeout)", [p.pid for p in alive])
+            elif len(busy) == len(alive):  # loading batches nobody wants any more: nothing is wrong
+                logger.debug("gloader workers %s still load batches no longer wanted after %.1f s; terminating them",
+                             busy, _ASK_S)
             else:
                 logger.warning("gloader workers %s did not stop within %.1f s; terminating them",
                                [p.pid for p in alive], _ASK_S)

@@ -229,9 +229,15 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
     @property
     def multiprocessing_context(self) -> Any:
-        """The context object given as multiprocessing_context, else the start method's name
-        (None: the platform's default)."""
-        return self._options.mp_context if self._options.mp_context is not None else self._options.start_method
+        """The context object given as multiprocessing_context, else, as torch returns it, the
+        multiprocessing context of the start method named (None: the platform's default)."""
+        if self._options.mp_context is not None:
+            return self._options.mp_context
+        if self._options.start_method is None:
+            return None
+        import multiprocessing  # as torch's, a name given comes back as the stdlib's context of that name
+
+        return multiprocessing.get_context(self._options.start_method)
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, value: Any) -> None:

@@ -556,3 +556,20 @@ def test_joining_a_shared_pool_on_a_full_disk_names_the_file_and_the_fix(monkeyp
             with DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
                 list(loader)
         assert not [name for name in os.listdir(pool.core.payload_dir) if name.endswith(".tmp")]
+
+
+def test_closing_while_a_worker_loads_a_batch_nobody_wants_is_quiet(caplog) -> None:
+    """Closing mid-epoch, with a worker inside a slow sample: it is stopped, and nothing is said
+    at WARNING, since nothing is wrong (an idle worker that ignores the stop still is)."""
+    import logging
+
+    from tests import _data
+
+    with caplog.at_level(logging.WARNING, logger="gloader"):
+        loader = DataLoader(_data.Sleepy(slow=2, seconds=30.0), batch_size=2, num_workers=1)
+        it = iter(loader)
+        next(it)  # the worker goes on to batch 1, inside sample 2 for 30 s
+        pids = loader.worker_pids()
+        loader.close()
+    assert not [record.getMessage() for record in caplog.records]
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)

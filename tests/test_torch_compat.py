@@ -54,7 +54,7 @@ def test_torch_keyword_names_work_and_a_clash_with_the_gluon_name_names_both() -
         assert list(loader) == [0, 2]
         assert loader.multiprocessing_context is context  # the object given, as torch keeps it
     with DataLoader(list(range(5)), batch_size=2, num_workers=1, multiprocessing_context="spawn") as loader:
-        assert loader.multiprocessing_context == "spawn"
+        assert loader.multiprocessing_context.get_start_method() == "spawn"  # a context, as torch's
     for kwargs, match in (({"collate_fn": first_only, "batchify_fn": first_only}, "batchify_fn=.* and collate_fn="),
                           ({"drop_last": True, "last_batch": "keep"}, "last_batch='keep' and drop_last=True"),
                           ({"num_workers": 1, "prefetch": 2, "prefetch_factor": 2}, "prefetch=2 and prefetch_factor=2"),
