@@ -70,6 +70,7 @@ from .datasets import (
     huggingface_table,
     write_jpeg_folder,
 )
+from .figures import summary, three_digits
 from .peers import ComputeCeiling, InProcessLoop, TensorpackLoop, has_tensorpack
 from .remote import measure_remote, remote_loader_names, remote_summary, report_remote
 
@@ -234,9 +235,6 @@ def _machine() -> str:
             f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
             f"gloader {gloader.__version__}")
 
-
-def _summary(values: list[float]) -> str:
-    return f"{statistics.median(values):8.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any]:
@@ -408,9 +406,9 @@ def report(results: dict[str, Any]) -> str:
         if "skipped" in res:
             lines.append(f"| {name} skipped: {res['skipped']} | | | | | |")
             continue
-        lines.append(f"| {name} {res['title']} | {_summary(res['samples_per_s']['gloader'])} | "
-                     f"{_summary(res['samples_per_s']['torch'])} | {_summary(res['mb_per_s']['gloader'])} | "
-                     f"{_summary(res['mb_per_s']['torch'])} | **{_summary(res['ratio'])}x** |")
+        lines.append(f"| {name} {res['title']} | {summary(res['samples_per_s']['gloader'])} | "
+                     f"{summary(res['samples_per_s']['torch'])} | {summary(res['mb_per_s']['gloader'])} | "
+                     f"{summary(res['mb_per_s']['torch'])} | **{summary(res['ratio'])}x** |")
     lines += _report_peers(results) + _report_scaling(results)
     from .device import report_device
     from .memory import report_memory
@@ -421,8 +419,8 @@ def report(results: dict[str, Any]) -> str:
     lines += ["", "| W4 first batch (W2 data) | gloader ms | torch ms | torch/gloader |", "|---|---|---|---|"]
     for key, label in (("epoch1_ms", "epoch 1 (starts workers)"), ("later_ms", "epochs 2-5 (median)")):
         ratio = [t / g for g, t in zip(w4[key]["gloader"], w4[key]["torch"])]
-        lines.append(f"| {label} | {_summary(w4[key]['gloader'])} | {_summary(w4[key]['torch'])} | "
-                     f"{_summary(ratio)}x |")
+        lines.append(f"| {label} | {summary(w4[key]['gloader'])} | {summary(w4[key]['torch'])} | "
+                     f"{summary(ratio)}x |")
     return "\n".join(lines + report_memory(results) + report_device(results) + report_remote(results))
 
 
@@ -436,8 +434,18 @@ def _run_line(results: dict[str, Any]) -> str:
             f"({minutes} min {seconds} s). Machine: {results.get('machine') or _machine()}.")
 
 
-def markdown_page(results: dict[str, Any]) -> str:
-    """The whole report as a documentation page: what ran, where, when, and every table."""
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def markdown_page(results: dict[str, Any], drawn: list[tuple[str, str]] | None = None) -> str:
+    """The whole report as a documentation page: what ran, where, when, the charts drawn for it
+    (`charts`: title, file name beside the page) and every table."""
+    pictures = [line for title, name in drawn or [] for line in (f"![{title}]({name})", "")]
     return "\n".join([
         "# Benchmarks", "",
         "This page is written by the benchmark itself (`python -m gloader.bench --markdown docs/benchmarks.md`); "
@@ -447,6 +455,7 @@ def markdown_page(results: dict[str, Any]) -> str:
         "Each figure is the median (min-max) over the rounds; in every round all loaders of a workload take "
         "turns, each built anew. The machine is shared and noisy: compare ratios, not rates, and runs only on "
         "the same machine.", "",
+        *pictures,
         report(results), ""])
 
 
@@ -460,7 +469,7 @@ def summary_table(results: dict[str, Any]) -> str:
     if "W4" in results:
         later = results["W4"]["later_ms"]
         lines.append(f"| W4 first batch of epochs 2+ (W2 data), ms: gloader / torch | "
-                     f"{statistics.median(later['gloader']):.2f} / {statistics.median(later['torch']):.2f} |")
+                     f"{three_digits(statistics.median(later['gloader']))} / {three_digits(statistics.median(later['torch']))} |")
     remote = remote_summary(results)
     if remote:
         lines.append(f"| W11 HTTP store, 5 ms a request: {remote} |")
@@ -493,18 +502,23 @@ def _report_peers(results: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     peers = ["in-process", "gloader nw=1", "tensorpack", "ceiling", "gloader auto"]
-    lines = ["", "Peers beside torch, samples/s (gloader nw=2 / peer); median (min-max) over the rounds", "",
-             "| workload | gloader nw=2 | " + " | ".join(peers) + " |", "|---|---|" + "---|" * len(peers)]
+    # Each peer's cell gives gloader nw=2 / peer; the auto column, gloader's own other setting,
+    # gives auto / nw=2, so that above 1 reads "auto was faster" there too.
+    headers = [peer if peer != "gloader auto" else "gloader nw='auto' (auto / nw=2)" for peer in peers]
+    lines = ["", "Peers beside torch, samples/s (gloader nw=2 / peer; in the auto column auto / nw=2); "
+             "median (min-max) over the rounds", "",
+             "| workload | gloader nw=2 | " + " | ".join(headers) + " |", "|---|---|" + "---|" * len(peers)]
     for name in rows:
         res = results[name]
         cells = []
         for peer in peers:
             if peer in res["samples_per_s"]:
-                cells.append(f"{_summary(res['samples_per_s'][peer])} (**{statistics.median(res['ratios'][peer]):.2f}x**)")
+                ratios = res["ratios"][peer] if peer != "gloader auto" else [1 / r for r in res["ratios"][peer]]
+                cells.append(f"{summary(res['samples_per_s'][peer])} (**{statistics.median(ratios):.2f}x**)")
             else:
                 cells.append(f"skipped: {res['skipped_peers'].get(peer, 'not measured here')}")
-        lines.append(f"| {name} | {_summary(res['samples_per_s']['gloader'])} | " + " | ".join(cells) + " |")
-    autos = [f"{name} {_summary([1 / r for r in results[name]['ratios']['gloader auto']]).strip()}x "
+        lines.append(f"| {name} | {summary(res['samples_per_s']['gloader'])} | " + " | ".join(cells) + " |")
+    autos = [f"{name} {summary([1 / r for r in results[name]['ratios']['gloader auto']]).strip()}x "
              f"(ended with {'/'.join(str(c) for c in sorted(set(results[name].get('auto_workers', []))))} workers)"
              for name in rows if "gloader auto" in results[name]["ratios"]]
     if autos:
@@ -514,7 +528,7 @@ def _report_peers(results: dict[str, Any]) -> list[str]:
         for name in rows:
             ratios = results[name]["ratios"]
             if "ceiling" in ratios and peer in ratios:  # per round: (t_peer / t_gloader) / (t_ceiling / t_gloader)
-                bounds.append(f"{name} {_summary([t / ce for t, ce in zip(ratios[peer], ratios['ceiling'])]).strip()}x")
+                bounds.append(f"{name} {summary([t / ce for t, ce in zip(ratios[peer], ratios['ceiling'])]).strip()}x")
         if bounds:
             lines += ["", f"Ceiling / {peer} nw={_WORKERS}, the most any loader can lead {peer} by here: "
                       + ", ".join(bounds)]
@@ -538,8 +552,8 @@ def _report_scaling(results: dict[str, Any]) -> list[str]:
         for workers in _SCALING_WORKERS:
             got = by_workers[str(workers)]
             gl, th = statistics.median(got["gloader"]), statistics.median(got["torch"])
-            cells.append(f"gloader {gl:.0f}, torch {th:.0f} ({gl / th:.2f}x)")
-        paired = {loader: _summary([a / b for a, b in zip(by_workers[str(most)][loader],
+            cells.append(f"gloader {three_digits(gl)}, torch {three_digits(th)} ({gl / th:.2f}x)")
+        paired = {loader: summary([a / b for a, b in zip(by_workers[str(most)][loader],
                                                           by_workers[str(fewer)][loader])]).strip()
                   for loader in ("gloader", "torch")}
         cells.append(f"gloader {paired['gloader']}x, torch {paired['torch']}x")
@@ -575,9 +589,65 @@ def plot(results: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+# The docs page's charts: one per group of workloads, a panel per workload.
+_CHART_GROUPS = (("in-memory", "Samples in memory: W1 tiny, W2 images, W9 and W10 tables",
+                  ("W1", "W2", "W9", "W10")),
+                 ("compute", "Samples that compute: W3 CPU-bound, W8 JPEG decode and augmentation", ("W3", "W8")),
+                 ("remote", "Samples from a store 5 ms away: W11", ("W11",)))
+
+
+def _rates(results: dict[str, Any], name: str) -> dict[str, list[float]]:
+    """Each loader's samples/s of one workload (none when it was not run or was skipped)."""
+    res = results.get(name)
+    if not isinstance(res, dict) or "skipped" in res:
+        return {}
+    if name == "W11":
+        return {loader: got["samples_per_s"] for loader, got in res.get("loaders", {}).items()}
+    return dict(res.get("samples_per_s", {}))
+
+
+def charts(results: dict[str, Any], page_path: str) -> list[tuple[str, str]]:
+    """Draw one SVG chart per group of workloads that ran, beside the page at `page_path`
+    (`<page>-<group>.svg`): every loader's median samples/s with its min-max, gloader's bars
+    highlighted. Returns (title, file name) of each chart written (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stem = os.path.splitext(page_path)[0]
+    written = []
+    for group, title, names in _CHART_GROUPS:
+        panels = [(name, rates) for name in names if (rates := _rates(results, name))]
+        if not panels:
+            continue
+        bars = max(len(rates) for _, rates in panels)
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 1.6 + 0.4 * bars), squeeze=False)
+        for axis, (name, rates) in zip(axes[0], panels):
+            loaders = list(rates)
+            medians = [statistics.median(rates[loader]) for loader in loaders]
+            spans = [[m - min(rates[loader]) for m, loader in zip(medians, loaders)],
+                     [max(rates[loader]) - m for m, loader in zip(medians, loaders)]]
+            colors = ["#2f6fd0" if loader.startswith("gloader") else "#b9b9b9" for loader in loaders]
+            axis.barh(loaders, medians, xerr=spans, color=colors, capsize=2)
+            axis.invert_yaxis()
+            axis.set_title(name)
+            axis.set_xlabel("samples/s (median, min-max)")
+        fig.suptitle(title)
+        fig.tight_layout()
+        path = f"{stem}-{group}.svg"
+        fig.savefig(path, format="svg", metadata={"Date": None})
+        plt.close(fig)
+        written.append((title, os.path.basename(path)))
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m gloader.bench", description=__doc__.split("\n")[0])
+    workloads = __doc__.split("Workloads:\n", 1)[1].split("\n\nUses")[0]
+    parser = argparse.ArgumentParser(prog="python -m gloader.bench", description=__doc__.split("\n")[0],
+                                     epilog="workloads:\n" + workloads,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small run, under a minute")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (needs W1-W4)")
@@ -613,9 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     results["date"] = datetime.date.today().isoformat()
     sys.stdout.write(report(results) + "\n")
     if args.markdown:
+        drawn = charts(results, args.markdown) if _has_matplotlib() else []
         with open(args.markdown, "w", encoding="utf-8") as page:
-            page.write(markdown_page(results))
-        sys.stdout.write(f"report written to {args.markdown}\n")
+            page.write(markdown_page(results, drawn))
+        sys.stdout.write(f"report written to {args.markdown}" + (f" with {len(drawn)} charts\n" if drawn else "\n"))
     if args.readme:
         replace_summary(args.readme, summary_table(results))
         sys.stdout.write(f"summary table written into {args.readme}\n")

@@ -20,6 +20,7 @@ import torch
 import gloader
 
 from .datasets import ImageDataset
+from .figures import summary
 
 __all__ = ["measure_device_transfer"]
 
@@ -110,13 +111,11 @@ def report_device(results: dict[str, Any]) -> list[str]:
     for workers, rates in w7["workers"].items():
         g, t, h = rates["gloader"], rates["torch"], rates["gloader_host"]
         ratio = statistics.median([a / b for a, b in zip(g, t)])
-        lines.append(f"| pin_memory + device, {workers} workers | {_summary(g)} | {_summary(t)} | {ratio:.2f}x | "
-                     f"{statistics.median(g) / copy:.2f}x | {_summary(h)} | "
+        lines.append(f"| pin_memory + device, {workers} workers | {summary(g)} | {summary(t)} | {ratio:.2f}x | "
+                     f"{statistics.median(g) / copy:.2f}x | {summary(h)} | "
                      f"{statistics.median([a / b for a, b in zip(g, h)]):.2f}x |")
     lines.append(f"| plain loop copying one pinned batch, no loader (the copy's ceiling) | "
-                 f"{_summary(w7['copy_loop'])} | | | | | |")
+                 f"{summary(w7['copy_loop'])} | | | | | |")
     return lines
 
 
-def _summary(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"

@@ -28,6 +28,7 @@ import torch
 
 import gloader
 
+from .figures import summary
 from .memory import _uss_mb
 
 __all__ = ["RemoteJpegs", "measure_remote", "remote_loader_names", "remote_summary", "report_remote"]
@@ -290,7 +291,7 @@ def report_remote(results: dict[str, Any]) -> list[str]:
         workers = (f"{statistics.median(got['workers']):g} ({min(got['workers'])}-{max(got['workers'])})"
                    if got.get("workers") else "")
         busy = f"{statistics.median(got['cpus_busy']):.2f}" if got.get("cpus_busy") else ""
-        lines.append(f"| {name} | {_summary(got['samples_per_s'])} | {_summary(got['uss_mb'])} | {workers} | "
+        lines.append(f"| {name} | {summary(got['samples_per_s'])} | {summary(got['uss_mb'])} | {workers} | "
                      f"{threads} | {busy} |")
     for name in (_AUTO, _AUTO_WORKERS, _AUTO_BOTH):
         if name in loaders:
@@ -311,9 +312,6 @@ def report_remote(results: dict[str, Any]) -> list[str]:
                      f"{ceiling / best_torch:.2f}x the best torch.")
     return lines
 
-
-def _summary(values: list[float]) -> str:
-    return f"{statistics.median(values):8.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look: python -m gloader.bench.remote
