@@ -14,13 +14,19 @@ import pytest
 # The run's own temp directory, set before any pool starts (child processes inherit it): the
 # tests that count gloader's files under `<tmp>/gloader-<uid>` then count only what this run
 # made, whatever other programs of the same user (another gloader program too) make meanwhile.
-_RUN_TMP = tempfile.mkdtemp(prefix="gloader-tests-")
-os.environ["TMPDIR"] = _RUN_TMP
-tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+# Made once a process (the tests also import this module as tests.conftest), removed by the
+# process that made it.
+_MADE_BY = os.environ.get("GLOADER_TESTS_TMPDIR_OF")
+if _MADE_BY != str(os.getpid()):
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="gloader-tests-")
+    os.environ["GLOADER_TESTS_TMPDIR_OF"] = str(os.getpid())
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+_RUN_TMP = os.environ["TMPDIR"]
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    shutil.rmtree(_RUN_TMP, ignore_errors=True)
+    if os.environ.get("GLOADER_TESTS_TMPDIR_OF") == str(os.getpid()):
+        shutil.rmtree(_RUN_TMP, ignore_errors=True)
 
 # Grace period for the operating system to reap children and for daemon threads to finish
 # after close() returned. Polled, not slept: the check passes as soon as counts are back.
