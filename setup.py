@@ -30,6 +30,9 @@ setup(
             "ruff>=0.4",
             "matplotlib>=3.7",
             "pillow>=9.1",
+            # Accelerate: the tests run examples/accelerate_ddp.py under a real 2-process launch,
+            # since its prepare() is where users meet gloader (pure Python; uses the torch installed).
+            "accelerate>=1.0",
         ],
         # MkDocs builds the site in docs/; mkdocstrings writes its API reference from the docstrings.
         "docs": ["mkdocs>=1.6,<2", "mkdocstrings[python]>=0.26"],

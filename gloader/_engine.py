@@ -124,7 +124,8 @@ class Engine:
         self.fetch_threads: dict[int, int] = {}  # worker id -> threads its latest batch was fetched with
         # num_workers='auto' on the loader's own process pool: the count follows what it measures.
         self.tuner = (Tuner(config.num_workers, config.most_workers, config.cpu_budget or 1.0, config.memory_budget,
-                            config.prefetch / config.num_workers) if config.tunes_workers else None)
+                            config.prefetch / config.num_workers, shared=config.budgets_shared)
+                      if config.tunes_workers else None)
         self._ready_looked = 0.0  # when the tuner last looked whether a resize is done
 
     @property
@@ -487,6 +488,7 @@ class Engine:
             return
         if self.tuner is not None:
             self.tuner.resized()
+            self.tuner.workers_stopped()
         for task in self._tasks:
             _skip(task)
         self._discarded.extend(self._tasks)  # freed below: by the drain, or with every slot at close

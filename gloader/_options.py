@@ -34,7 +34,7 @@ from .batchify import EachSample, default_batchify_fn
 from .dataset import IterableDataset
 from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, dataset_length
 
-__all__ = ["LoaderConfig"]
+__all__ = ["LoaderConfig", "warn_if_every_rank_loads_everything"]
 
 # num_workers above this many per CPU draws a warning at construction. Higher: fewer warnings
 # for deliberately oversubscribed I/O-bound loading; lower: earlier notice of contention.
@@ -92,6 +92,8 @@ class LoaderConfig:
     # (USS, None: no limit) the count is tuned within; None otherwise.
     cpu_budget: float | None = None
     memory_budget: int | None = None
+    # Whether each budget is the default, shared by the process's tuned loaders (see _tuning).
+    budgets_shared: tuple[bool, bool] = (False, False)
     # The most workers the loader's pool may be resized to (num_workers unless it tunes them).
     most_workers: int = 0
 
@@ -178,7 +180,7 @@ class LoaderConfig:
         fetch = _check_fetch_threads(fetch_threads, workers, thread, plan.stream is not None)
         tunes = budget[0] is not None and pool is None and not thread and plan.stream is None and workers > 0
         most = max(workers, most_workers(budget[0])) if budget[0] is not None and tunes else workers
-        _warn_about_setup(workers, plan.sampler, plan.stream is not None)
+        _warn_about_setup(workers)
         # Dispatch the next epoch's first batches before the caller asks only when this loader
         # built the sampler (a user's may change between epochs: DistributedSampler.set_epoch)
         # and workers are processes: they hold their own copy of the dataset, whereas threads
@@ -196,7 +198,7 @@ class LoaderConfig:
                    mp_context=None if isinstance(multiprocessing_context, str) else multiprocessing_context,
                    own_shuffle=bool(shuffle) and sampler is None and batch_sampler is None and plan.stream is None,
                    fetch_threads=fetch, workers_chosen=chosen, cpu_budget=budget[0], memory_budget=budget[1],
-                   most_workers=most)
+                   budgets_shared=(cpu_budget is None, memory_budget is None), most_workers=most)
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:
@@ -316,7 +318,7 @@ def _seed_from(seed: Any, generator: Any) -> int | None:
 _WARNED: set[str] = set()  # warnings given once per process (see _warn_about_setup)
 
 
-def _warn_about_setup(workers: int, sampler: Any, is_stream: bool) -> None:
+def _warn_about_setup(workers: int) -> None:
     """Warn about setups that work but are likely mistakes, as torch's DataLoader does."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if workers > _OVERSUBSCRIBED_PER_CPU * cpus:
@@ -325,16 +327,23 @@ def _warn_about_setup(workers: int, sampler: Any, is_stream: bool) -> None:
                       "CPUs this process may use: excessive worker creation might get DataLoader running slow or "
                       f"even freeze, as the workers compete for the CPUs. Try num_workers={cpus}.",
                       UserWarning, stacklevel=4)
-    if is_stream or "distributed" in _WARNED or not torch.distributed.is_available():
+
+
+def warn_if_every_rank_loads_everything(config: LoaderConfig) -> None:
+    """Called as a loader starts an epoch: in a distributed run, a sampler that is not distributed
+    gives every rank the whole dataset (said once a process). Not at construction: Lightning and
+    Accelerate build the loader first and then put a distributed sampler in (a new loader, or
+    their own shard of the batches), and the loader built first never loads."""
+    if config.stream is not None or "distributed" in _WARNED or not torch.distributed.is_available():
         return
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2:
         return
-    if not isinstance(sampler, (DistributedSampler, torch.utils.data.DistributedSampler)):
+    if not isinstance(config.sampler, (DistributedSampler, torch.utils.data.DistributedSampler)):
         _WARNED.add("distributed")
         warnings.warn(f"torch.distributed runs {torch.distributed.get_world_size()} ranks, but this DataLoader's "
                       "sampler is not distributed, so every rank loads the whole dataset; pass "
                       "sampler=gloader.sampler.DistributedSampler(len(dataset)) (or torch's DistributedSampler)",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=3)
 
 
 class _BatchPlan(NamedTuple):
@@ -365,9 +374,13 @@ def _plan_batches(dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, las
         stream = _check_stream(dataset, size, shuffle, sampler, last_batch, batch_sampler)
         return _BatchPlan(None, stream, fn, None if unbatched else stream.batch_size, None,
                           not stream.keep_last, _stream_batches(dataset, stream))
-    batches = _build_batch_sampler(dataset, size, shuffle, sampler, last_batch, batch_sampler,
-                                   0 if base_seed is None else base_seed)  # 0: until the base seed is drawn
+    # Without a base seed yet (drawn at the first iter()), the loader's RandomSampler is seedless
+    # until then: iterated without gloader (a tool that rebuilds a torch DataLoader from this
+    # one's attributes), it draws each epoch from torch's default generator, as torch's does.
+    batches = _build_batch_sampler(dataset, size, shuffle, sampler, last_batch, batch_sampler, base_seed)
     index_sampler = getattr(batches, "sampler", None)
+    if batch_sampler is None:
+        batches._loader_owned = True  # iterated by anything but this loader: a warning says so (see sampler)
     if batch_sampler is not None:
         return _BatchPlan(batches, None, fn, None, index_sampler, False, None)
     return _BatchPlan(batches, None, fn, None if unbatched else batches.batch_size, index_sampler,

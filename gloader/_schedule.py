@@ -29,7 +29,8 @@ def _encoded_batches(batch_sampler: Any) -> Iterator[Any]:
     from the epoch's index array when the samplers make one (~15 us a batch of 256 less)."""
     arrays = batch_sampler._index_batches() if isinstance(batch_sampler, BatchSampler) else None
     if arrays is None:
-        return map(encode_keys, batch_sampler)
+        own = isinstance(batch_sampler, BatchSampler) and type(batch_sampler).__iter__ is BatchSampler.__iter__
+        return map(encode_keys, batch_sampler._batches() if own else batch_sampler)
     return map(np.ndarray.tobytes, arrays)
 
 
@@ -283,7 +284,9 @@ class Schedule:
 
     def state_dict(self, served: Epoch | None, yielded: int, finished: bool) -> dict[str, Any]:
         """Where the caller stands, given the epoch its latest iterator serves and the batches of
-        it handed over (`yielded`, the resume's skip included); reads only."""
+        it handed over (`yielded`, the resume's skip included); reads only (but for the base
+        seed, drawn now if none was yet, which the loader's own RandomSampler then takes too)."""
+        self._ensure_seed()
         if served is not None and not finished and not (
                 served.exhausted and served.length is not None and yielded >= served.length):
             if yielded == served.skipped:  # none handed over yet: as it will be drawn again if it must
@@ -333,3 +336,5 @@ class Schedule:
         self._next_number = int(state["epoch"])
         self._resume_skip = int(state["batches_yielded"])
         self._base_seed = int(state["seed"])
+        if self._seeded_sampler is not None and self._seeded_sampler._seed is None:
+            self._seeded_sampler._seed = self._base_seed  # as adopt_seed gives it

@@ -27,12 +27,14 @@ from __future__ import annotations
 import collections
 import math
 import os
+import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable
 
 from ._admission import usable_cpus
 
-__all__ = ["Measures", "Tuner", "default_memory_budget", "most_workers"]
+__all__ = ["Measures", "SharedBudgets", "Tuner", "default_memory_budget", "most_workers"]
 
 # How long a window a decision looks at. Longer: steadier measures, slower to settle (a
 # doubling per window: 2 to 16 workers took ~3 windows on W11); shorter: noisier decisions.
@@ -163,6 +165,37 @@ class Measures:
         return ", ".join(parts)
 
 
+class SharedBudgets:
+    """The default budgets, one CPU budget and one memory budget for all the tuned loaders of
+    this process that did not set their own (train and validation loaders side by side must
+    not each take the whole machine): each grows only into what the others' latest windows
+    leave. The memory budget is the default's value when the first of them joined."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._members: weakref.WeakSet[Tuner] = weakref.WeakSet()
+        self._memory_budget: int | None = None
+
+    def join(self, tuner: Tuner, memory_budget: int | None) -> int | None:
+        """Add `tuner`; returns the shared memory budget (`memory_budget` if it is the first)."""
+        with self._lock:
+            if not self._members:
+                self._memory_budget = memory_budget
+            self._members.add(tuner)
+            return self._memory_budget
+
+    def others(self, tuner: Tuner) -> tuple[float, int, int]:
+        """(CPUs, worker memory bytes) the other members' workers used in their latest windows,
+        and how many loaders share the budgets, `tuner` included."""
+        with self._lock:
+            members = list(self._members)
+        others = [member for member in members if member is not tuner]
+        return sum(m.used_cpu for m in others), sum(m.used_uss for m in others), len(members)
+
+
+_SHARED = SharedBudgets()
+
+
 class Tuner:
     """Picks the worker count of one loader's own process pool.
 
@@ -173,14 +206,26 @@ class Tuner:
         memory_budget: bytes of worker memory (USS, all workers together); None: no limit.
         per_worker_window: tasks in flight per worker (the window follows the count).
         clock: seconds, monotonic (tests pass their own).
+        shared: whether the CPU budget and the memory budget are the defaults, shared with the
+            process's other tuned loaders that did not set their own (see SharedBudgets).
+        budgets: where the shared ones are kept (tests pass their own).
     """
 
     def __init__(self, start: int, most: int, cpu_budget: float, memory_budget: int | None,
-                 per_worker_window: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 per_worker_window: float, clock: Callable[[], float] = time.monotonic,
+                 shared: tuple[bool, bool] = (False, False), budgets: SharedBudgets | None = None) -> None:
         self.count = start
         self.most = most
         self.cpu_budget = cpu_budget
         self.memory_budget = memory_budget
+        self.shared = shared
+        self.used_cpu = 0.0  # CPUs its workers used in the latest window (for the shared budgets)
+        self.used_uss = 0  # bytes its workers held then
+        self._budgets = (budgets or _SHARED) if any(shared) else None
+        if self._budgets is not None:
+            joined = self._budgets.join(self, memory_budget)
+            if shared[1]:
+                self.memory_budget = joined
         self._per_worker_window = per_worker_window
         self._clock = clock
         self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(usable_cpus()))
@@ -244,7 +289,27 @@ class Tuner:
         self._open_window(pids)
         used = sum(self._cpu_at[pid] - cpu_at[pid] for pid in self._cpu_at if pid in cpu_at)
         idle = None if idle_before is None or self._idle_at is None else (self._idle_at - idle_before) / wall
-        return Measures(wall, batches, waited, worker, used / wall if cpu_at else None, idle, self._workers_uss(pids))
+        measures = Measures(wall, batches, waited, worker, used / wall if cpu_at else None, idle,
+                            self._workers_uss(pids))
+        self.used_cpu = measures.cpu or 0.0
+        self.used_uss = measures.uss_bytes or 0
+        return measures
+
+    def workers_stopped(self) -> None:
+        """The pool's workers are gone: they use nothing of the shared budgets any more."""
+        self.used_cpu, self.used_uss = 0.0, 0
+
+    def budgets_left(self) -> tuple[float, int | None, int]:
+        """(CPU budget, memory budget) this loader may fill now: its own, or of shared ones what
+        the other loaders' workers leave; and how many loaders share them (1: none)."""
+        if self._budgets is None:
+            return self.cpu_budget, self.memory_budget, 1
+        cpu, uss, sharing = self._budgets.others(self)
+        cpu_budget = max(0.0, self.cpu_budget - cpu) if self.shared[0] else self.cpu_budget
+        memory_budget = self.memory_budget
+        if memory_budget is not None and self.shared[1]:
+            memory_budget = max(0, memory_budget - uss)
+        return cpu_budget, memory_budget, sharing
 
     def _workers_uss(self, pids: list[int]) -> int | None:
         """The workers' USS together: _USS_READS of them read now (those never read first),
@@ -280,17 +345,18 @@ class Tuner:
         self.settling = False
 
     def _choose(self, m: Measures, count: int, now: float) -> tuple[int | None, str]:
-        if self.memory_budget is not None and m.uss_bytes is not None and m.uss_bytes > self.memory_budget \
-                and count > 1:
-            return max(1, math.floor(count * self.memory_budget / m.uss_bytes)), "shrank, over the memory budget"
-        if m.cpu is not None and m.cpu > self.cpu_budget * _CPU_OVER and count > 1:
-            return max(1, math.floor(count * self.cpu_budget / m.cpu)), "shrank, over the CPU budget"
+        cpu_budget, memory_budget, sharing = self.budgets_left()
+        shared = f" (shared by {sharing} loaders)" if sharing > 1 else ""
+        if memory_budget is not None and m.uss_bytes is not None and m.uss_bytes > memory_budget and count > 1:
+            return max(1, math.floor(count * memory_budget / m.uss_bytes)), f"shrank, over the memory budget{shared}"
+        if m.cpu is not None and m.cpu > cpu_budget * _CPU_OVER and count > 1:
+            return max(1, math.floor(count * cpu_budget / max(m.cpu, 1e-9))), f"shrank, over the CPU budget{shared}"
         grown, self._grown_from = self._grown_from, None
         if grown is not None and m.rate < grown[1] * (1 + _GROWTH_GAIN * (count - grown[0]) / grown[0]):
             self._blocked[count] = now + _RETRY_S
             return grown[0], "took back the last grow, which did not raise the rate"
         if m.wait > _WAITING and m.busy > _SATURATED * count and count < self.most:
-            room = self._room(m, count, now)
+            room = self._room(m, count, now, cpu_budget, memory_budget)
             if room > 0:
                 self._grown_from = (count, m.rate)
                 return count + room, "grew, the loader kept the caller waiting"
@@ -300,20 +366,20 @@ class Tuner:
                 "shrank, the workers kept ahead of the caller and idled"
         return None, ""
 
-    def _room(self, m: Measures, count: int, now: float) -> int:
+    def _room(self, m: Measures, count: int, now: float, cpu_budget: float, memory_budget: int | None) -> int:
         """How many workers to add (0: none fit): at most doubling, within the CPU budget, the
         idle CPUs and the memory budget, and below a count taken back lately."""
         add = min(count, self.most - count)
         if m.cpu is not None:
             per_worker_cpu = m.cpu / count
             if per_worker_cpu > 0:
-                free = self.cpu_budget - m.cpu if m.idle_cpus is None else min(self.cpu_budget - m.cpu, m.idle_cpus)
-                fits = math.floor((self.cpu_budget * _CPU_FILL - m.cpu) / per_worker_cpu)
+                free = cpu_budget - m.cpu if m.idle_cpus is None else min(cpu_budget - m.cpu, m.idle_cpus)
+                fits = math.floor((cpu_budget * _CPU_FILL - m.cpu) / per_worker_cpu)
                 if m.idle_cpus is not None:
                     fits = min(fits, math.floor(m.idle_cpus / per_worker_cpu))
                 add = min(add, max(fits, 1 if free >= _FREE_CPU else 0))
-        if m.uss_bytes and self.memory_budget is not None:
-            add = min(add, math.floor((self.memory_budget - m.uss_bytes) / (m.uss_bytes / count)))
+        if m.uss_bytes and memory_budget is not None:
+            add = min(add, math.floor((memory_budget - m.uss_bytes) / (m.uss_bytes / count)))
         for blocked, until in self._blocked.items():
             if until > now and count < blocked:
                 add = min(add, blocked - count - 1)

@@ -20,7 +20,7 @@ from ._checks import check_flag
 from ._device import DevicePipeline, warn_if_cannot_pin
 from ._engine import Engine
 from ._iterator import EpochIterator, Position
-from ._options import LoaderConfig
+from ._options import LoaderConfig, warn_if_every_rank_loads_everything
 from ._payload import build_payload
 from ._pool import WorkerPool
 from ._schedule import Epoch, Schedule
@@ -197,6 +197,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             warn_if_cannot_pin()
         _pool.track(self._engine)
         self.__dict__.update({name: getattr(self, name) for name in _IN_VARS})  # read through the properties
+        self.__dict__["timeout"] = config.timeout_s  # as given: a gloader DataLoader built again refuses 0
         if config.cpu_budget is not None:  # a loader built again from vars() tunes its workers too
             self.__dict__["num_workers"] = "auto"
 
@@ -208,7 +209,18 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     drop_last = _FromConfig("drop_last", "Whether a short last batch is dropped (last_batch='discard').")
     num_workers = _FromConfig("num_workers", "Worker processes (or threads); 0 loads in the calling thread.")
     pin_memory = _FromConfig("pin_memory", "Whether batches are pinned.")
-    timeout = _FromConfig("timeout_s", "Most seconds to wait for one batch.")
+
+    @property
+    def timeout(self) -> float:
+        """Most seconds to wait for one batch from the workers; 0.0 with num_workers=0, where
+        batches load in the calling thread and nothing waits (torch's value there, which a torch
+        DataLoader built from this one's attributes requires: Accelerate's prepare()).
+        `vars(loader)["timeout"]` keeps the value given, for a DataLoader built again from vars()."""
+        return 0.0 if self._options.num_workers == 0 else self._options.timeout_s
+
+    @timeout.setter
+    def timeout(self, value: Any) -> None:
+        raise _read_only("timeout", self)
     worker_init_fn = _FromConfig("worker_init_fn", "Called once in each worker with its id.")
     prefetch_factor = _FromConfig("prefetch_factor", "Batches in flight per worker (None without workers).")
     collate_fn = _FromConfig("batchify_fn", "The batchify function (torch's name).")
@@ -277,6 +289,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     def __iter__(self) -> Iterator[_T_co]:  # type: ignore[override]  # torch's returns its own iterator type
         if self._closed:
             raise RuntimeError("this DataLoader is closed; create a new one")
+        warn_if_every_rank_loads_everything(self._options)
         self._draw_as_torch_does()
         previous, position = self._epoch_iter, self._position
         if previous is not None and previous.untouched:
@@ -468,7 +481,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             `window_s` (finished, waiting for you to ask) and `handover_s` (turning it into
             tensors here). "workers": {"count" (now), "kind" ('processes', 'threads' or
             'in-process'), "chosen_by": why the loader has that many}; with num_workers='auto'
-            also "most" (the most it may grow to), "cpu_budget", "memory_budget" and "changes":
+            also "most" (the most it may grow to), "cpu_budget", "memory_budget",
+            "budgets_shared_by" (the tuned loaders of this process sharing the default budgets,
+            itself included; None where the loader set both its own) and "changes":
             the latest changes of the count, each {"at_s" (seconds since the loader was built),
             "from", "to", "why" (what was measured)}. With fetch_threads, also "fetch_threads":
             {worker id: threads its latest batch was fetched with}.
@@ -485,6 +500,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             if changes:
                 workers["chosen_by"] = f"num_workers='auto', {changes[-1]['why']}"
             workers.update(most=tuner.most, cpu_budget=tuner.cpu_budget, memory_budget=tuner.memory_budget,
+                           budgets_shared_by=tuner.budgets_left()[2] if any(tuner.shared) else None,
                            changes=changes)
         elif opts.cpu_budget is not None:
             workers.update(most=opts.num_workers, cpu_budget=opts.cpu_budget, memory_budget=opts.memory_budget,

@@ -9,6 +9,7 @@ constructors are not used. Nothing here starts a process or touches CUDA.
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -247,6 +248,7 @@ class BatchSampler(Sampler, torch_data.BatchSampler):
         self._batch_size = check_positive_int("batch_size", batch_size)
         self._last_batch = check_last_batch(last_batch)
         self._prev: list[Any] = []
+        self._loader_owned = False  # built by a DataLoader, which draws through _batches/_index_batches
 
     @property
     def sampler(self) -> Any:  # type: ignore[override]  # read-only here; an attribute in torch's
@@ -267,6 +269,12 @@ class BatchSampler(Sampler, torch_data.BatchSampler):
         return self._last_batch == "discard"
 
     def __iter__(self) -> Iterator[list[Any]]:
+        if self._loader_owned:
+            _warn_iterated_without_the_loader()
+        return self._batches()
+
+    def _batches(self) -> Iterator[list[Any]]:
+        """The epoch's batches, as iterating yields them (the loader draws through here)."""
         batch, self._prev = self._prev, []
         indices = iter(self._sampler)
         if batch:
@@ -331,6 +339,24 @@ class BatchSampler(Sampler, torch_data.BatchSampler):
         self._prev = list(state["prev"])
         if hasattr(self._sampler, "load_state_dict"):
             self._sampler.load_state_dict(state["sampler"])
+
+
+_said_iterated_without_the_loader = False
+
+
+def _warn_iterated_without_the_loader() -> None:
+    """Said once a process: a DataLoader's own batch sampler is iterated by something else, most
+    likely a torch DataLoader built from the loader's attributes (Accelerate's prepare())."""
+    global _said_iterated_without_the_loader
+    if _said_iterated_without_the_loader:
+        return
+    _said_iterated_without_the_loader = True
+    warnings.warn("a gloader DataLoader's batch sampler is being iterated without the loader, as a torch DataLoader "
+                  "built from its attributes does (accelerate's prepare()): batches then load in that loader, not "
+                  "in gloader's workers, and gloader's seeds, resume and per-batch errors do not apply. To keep "
+                  "loading with gloader under Accelerate, leave the loader out of prepare() and shard it with "
+                  "gloader.sampler.DistributedSampler on accelerator.device (see 'Accelerate' in gloader's "
+                  "migration guide)", RuntimeWarning, stacklevel=3)
 
 
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)

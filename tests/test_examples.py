@@ -38,3 +38,28 @@ def test_torch_style_mnist_script_trains_with_either_import(loader: str, tmp_pat
     assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr[-3000:]
     accuracy = re.findall(r"Accuracy: \d+/\d+ \((\d+)%\)", done.stdout)
     assert accuracy and int(accuracy[-1]) >= 90, done.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_under_accelerate_two_processes_train_the_same_steps_on_gloader_as_on_torch() -> None:
+    """examples/accelerate_ddp.py under a 2-process torchrun launch: gloader loading (left out of
+    prepare()) gives the per-step losses and the evaluation of torch's DataLoader, exactly."""
+    pytest.importorskip("accelerate")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = {}
+    for loader in ("gloader", "torch"):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "examples/accelerate_ddp.py", "--loader", loader],
+                              capture_output=True, text=True, timeout=240, cwd=root,
+                              env={**os.environ, "ACCELERATE_USE_CPU": "1"})  # else one process each, here
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "Warning" not in done.stderr, done.stderr[-3000:]
+        runs[loader] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(runs["gloader"]["losses"]) == 2 * 96 // 2 // 4  # 2 epochs of 12 steps a rank
+    assert runs["gloader"]["losses"] == runs["torch"]["losses"]
+    assert runs["gloader"]["eval_mse"] == runs["torch"]["eval_mse"]

@@ -230,18 +230,25 @@ def test_a_superseded_iterator_raises_instead_of_ending_silently() -> None:
         assert len(list(second)) == 4
 
 
-def test_distributed_run_without_distributed_sampler_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_that_loads_with_a_sampler_not_distributed_warns_once_where_it_iterates(monkeypatch: pytest.MonkeyPatch) -> None:
     from gloader import _options
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(_options, "_WARNED", set())
-    with pytest.warns(UserWarning, match="every rank loads the whole dataset.*DistributedSampler"):
-        DataLoader(np.arange(8), batch_size=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        DataLoader(np.arange(8), batch_size=2)  # once per process
-        DataLoader(np.arange(8), batch_size=2, sampler=DistributedSampler(8, num_replicas=2, rank=0))
+        # Built, but not loading: Lightning and Accelerate build the loader, then shard it elsewhere.
+        unsharded = DataLoader(np.arange(8), batch_size=2)
+        with DataLoader(np.arange(8), batch_size=2, sampler=DistributedSampler(8, num_replicas=2, rank=0)) as sharded:
+            assert len(list(sharded)) == 2
+    with pytest.warns(UserWarning, match="every rank loads the whole dataset.*DistributedSampler") as said:
+        assert len(list(unsharded)) == 4  # this rank loads it all: said where it iterates
+    assert said[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(unsharded)) == 4  # once per process
+    unsharded.close()
 
 
 def test_num_workers_far_above_the_cpus_warns(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -168,3 +168,52 @@ def test_warnings_stay_quiet() -> None:
             iter(loader)
             _set_epoch(loader, 0)
             assert len(list(loader)) == 2
+
+
+# --- Accelerate: prepare() builds a torch DataLoader from the loader's attributes -------------
+
+# The torch DataLoader arguments accelerate's prepare_data_loader reads with getattr (1.15).
+_ACCELERATE_READS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                     "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers")
+
+
+def _prepared_as_accelerate_does(loader: DataLoader) -> torch_data.DataLoader:
+    kwargs = {name: getattr(loader, name) for name in _ACCELERATE_READS}
+    if kwargs["num_workers"] == 0:
+        kwargs["prefetch_factor"] = None  # torch refuses one without workers; accelerate's default is None
+        kwargs["multiprocessing_context"] = None
+    return torch_data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **kwargs)
+
+
+def test_a_torch_loader_built_from_the_attributes_loads_with_num_workers_0_and_says_gloader_is_left(
+        monkeypatch) -> None:
+    from gloader import sampler as gloader_sampler
+
+    monkeypatch.setattr(gloader_sampler, "_said_iterated_without_the_loader", False)
+    with DataLoader(np.arange(16), batch_size=4, shuffle=True) as loader:
+        assert loader.timeout == 0.0 and vars(loader)["timeout"] == 120.0  # torch's 0: nothing waits in-process
+        rebuilt = _prepared_as_accelerate_does(loader)
+        with pytest.warns(RuntimeWarning, match=r"iterated without the loader.*leave the loader out of prepare\(\)"):
+            got = sorted(int(i) for batch in rebuilt for i in batch)
+        assert got == list(range(16))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert len(list(rebuilt)) == 4  # said once
+
+
+
+def test_a_seedless_shuffle_follows_torchs_generator_wherever_its_sampler_is_iterated(monkeypatch) -> None:
+    from gloader import sampler as gloader_sampler
+
+    monkeypatch.setattr(gloader_sampler, "_said_iterated_without_the_loader", True)  # said elsewhere
+
+    def orders(seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        with DataLoader(np.arange(16), batch_size=4, shuffle=True, num_workers=1) as loader:
+            rebuilt = _prepared_as_accelerate_does(loader)
+            return [[int(i) for batch in rebuilt for i in batch] for _ in range(2)]
+
+    first, again, other = orders(1), orders(1), orders(2)
+    assert first == again  # torch.manual_seed reproduces the run
+    assert first[0] != first[1]  # every epoch its own order
+    assert first != other  # another seed, other orders

@@ -421,3 +421,41 @@ def test_a_loader_built_again_from_its_vars_tunes_its_workers_too() -> None:
 def test_a_shared_pool_takes_its_own_count_with_auto() -> None:
     with gloader.WorkerPool(2) as pool, DataLoader(np.arange(8), batch_size=2, num_workers="auto", pool=pool) as loader:
         assert loader._engine.tuner is None and loader.stats()["workers"]["count"] == 2
+
+
+# --- the default budgets are the process's, shared by its tuned loaders ----------------------
+
+def test_loaders_on_the_default_budgets_share_them_and_an_explicit_budget_stays_its_own() -> None:
+    budgets = _tuning.SharedBudgets()
+
+    def member(shared: tuple[bool, bool], memory: int | None = 100 * MiB) -> _tuning.Tuner:
+        return _tuning.Tuner(2, 16, 2.0, memory, 2.0, Clock(), shared=shared, budgets=budgets)
+
+    train, val = member((True, True)), member((True, True), memory=300 * MiB)
+    own = member((False, False), memory=200 * MiB)
+    assert val.memory_budget == 100 * MiB  # the first member's default: one budget, not one each
+    train.used_cpu, train.used_uss = 1.5, 60 * MiB
+    assert val.budgets_left() == (0.5, 40 * MiB, 2)
+    assert own.budgets_left() == (2.0, 200 * MiB, 1)
+    # 1.5 CPUs taken by the training loader: the validation loader, computing, does not grow
+    assert val.decide(measures(count=2, cpu=0.4, idle=1.0)) is None
+    assert own.decide(measures(count=2, cpu=0.4, idle=1.0)) == 4
+    # ... and shrinks when the two together run over the budget
+    assert val.decide(measures(count=2, cpu=1.0, idle=0.0)) == 1
+    assert val.changes[-1]["why"].startswith("shrank, over the CPU budget (shared by 2 loaders)")
+    train.workers_stopped()  # its workers gone: the room is the validation loader's again
+    assert val.budgets_left() == (2.0, 100 * MiB, 2)
+
+
+def test_four_auto_loaders_built_together_share_one_memory_budget() -> None:
+    loaders = [DataLoader(np.arange(64), batch_size=4, num_workers="auto", cpu_budget=1) for _ in range(4)]
+    try:
+        budgets = {loader.stats()["workers"]["memory_budget"] for loader in loaders}
+        for loader in loaders:
+            assert len(list(loader)) == 16
+        shared_by = [loader.stats()["workers"]["budgets_shared_by"] for loader in loaders]
+    finally:
+        for loader in loaders:
+            loader.close()
+    assert len(budgets) == 1  # one budget for the four, not half the memory each
+    assert min(shared_by) >= 4
