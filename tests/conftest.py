@@ -18,7 +18,7 @@ import pytest
 # process that made it.
 _MADE_BY = os.environ.get("GLOADER_TESTS_TMPDIR_OF")
 if _MADE_BY != str(os.getpid()):
-    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="gloader-tests-")
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="gl-")  # short: AF_UNIX paths under it stop at 107 bytes
     os.environ["GLOADER_TESTS_TMPDIR_OF"] = str(os.getpid())
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 _RUN_TMP = os.environ["TMPDIR"]

@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import nbformat
 import pytest
@@ -41,12 +42,14 @@ def test_notebook_matches_its_twin_and_has_no_outputs(path: pathlib.Path) -> Non
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom_in_a_fresh_kernel_and_leaves_no_temporary_file(path: pathlib.Path,
-                                                                                   tmp_path: pathlib.Path) -> None:
-    temp = tmp_path / "tmp"  # the kernel's temporary directory: a user's /tmp must not fill up run after run
-    temp.mkdir()
+def test_notebook_runs_top_to_bottom_in_a_fresh_kernel_and_leaves_no_temporary_file(path: pathlib.Path) -> None:
+    # The kernel's temporary directory: a user's /tmp must not fill up run after run. A short
+    # path, not pytest's tmp_path: the sockets torch's workers pass descriptors through live
+    # there, and an AF_UNIX path over 107 bytes hangs torch's DataLoader.
+    temp = pathlib.Path(tempfile.mkdtemp(prefix="nb-"))
     result = subprocess.run([sys.executable, "-c", _RUN, str(path), str(TUTORIALS)], capture_output=True,
                             text=True, timeout=290,
                             env={**os.environ, "PYDEVD_DISABLE_FILE_VALIDATION": "1", "TMPDIR": str(temp)})
     assert result.returncode == 0, result.stderr[-4000:]
     assert sorted(p.name for p in temp.iterdir()) == []
+    temp.rmdir()
