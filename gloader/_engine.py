@@ -521,6 +521,8 @@ class Engine:
         for helper in list(self._helpers):
             helper.stop()
         self.stop_workers()
+        if self.tuner is not None:
+            self.tuner.close()
 
     def forget_after_fork(self) -> None:
         """In a forked child: the workers, the tasks in flight and the shared memory are the

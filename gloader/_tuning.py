@@ -184,6 +184,11 @@ class SharedBudgets:
             self._members.add(tuner)
             return self._memory_budget
 
+    def leave(self, tuner: Tuner) -> None:
+        """`tuner`'s loader is closed: it shares nothing any more."""
+        with self._lock:
+            self._members.discard(tuner)
+
     def others(self, tuner: Tuner) -> tuple[float, int, int]:
         """(CPUs, worker memory bytes) the other members' workers used in their latest windows,
         and how many loaders share the budgets, `tuner` included."""
@@ -298,6 +303,12 @@ class Tuner:
     def workers_stopped(self) -> None:
         """The pool's workers are gone: they use nothing of the shared budgets any more."""
         self.used_cpu, self.used_uss = 0.0, 0
+
+    def close(self) -> None:
+        """The loader is closed: it leaves the shared budgets."""
+        self.workers_stopped()
+        if self._budgets is not None:
+            self._budgets.leave(self)
 
     def budgets_left(self) -> tuple[float, int | None, int]:
         """(CPU budget, memory budget) this loader may fill now: its own, or of shared ones what

@@ -63,11 +63,11 @@ def test_device_report_gives_medians_the_median_ratios_and_the_shares_of_both_ce
                                                     "gloader_host": [20.0, 20.0, 20.0]}}}})
     assert lines[1].startswith("| W7 W2 batches to GPU X |")
     # ratios 2, 3, 2 -> 2.00x; plain loop's median 22 -> 11/22 = 0.50x; host-only ratios 1, 1, 0.5 -> 1.00x
-    assert lines[3] == ("| pin_memory + device, 2 workers | 11.00 (10.00-12.00) | 5.00 (4.00-5.50) | 2.00x | 0.50x | "
-                        "12.00 (10.00-22.00) | 1.00x |")
-    assert lines[4] == ("| pin_memory + device, 8 workers | 19.00 (18.00-20.00) | 19.00 (18.00-20.00) | 1.00x | 0.86x | "
-                        "20.00 (20.00-20.00) | 0.95x |")
-    assert lines[5].startswith("| plain loop copying one pinned batch") and "22.00 (18.00-30.00)" in lines[5]
+    assert lines[3] == ("| pin_memory + device, 2 workers | 11.0 (10.0-12.0) | 5.00 (4.00-5.50) | 2.00x | 0.50x | "
+                        "12.0 (10.0-22.0) | 1.00x |")
+    assert lines[4] == ("| pin_memory + device, 8 workers | 19.0 (18.0-20.0) | 19.0 (18.0-20.0) | 1.00x | 0.86x | "
+                        "20.0 (20.0-20.0) | 0.95x |")
+    assert lines[5].startswith("| plain loop copying one pinned batch") and "22.0 (18.0-30.0)" in lines[5]
 
 
 def test_huggingface_workload_is_skipped_with_a_message_without_the_datasets_package(monkeypatch) -> None:
@@ -144,6 +144,12 @@ def test_jpeg_folder_workload_reports_a_row_and_a_scaling_table_and_removes_its_
     assert paired is not None, scaling
     for column, found in ((0, paired.group(1)), (1, paired.group(2))):
         assert _ratio_of_rounded(float(found), float(ratios[2][column]), float(ratios[1][column])), scaling
+    # num_workers='auto' beside 1, 2 and 4 workers with validation passes between epochs
+    gaps = next(line for line in done.stdout.splitlines() if line.startswith("| W8 |") and line.endswith("workers |"))
+    cells = [cell.strip() for cell in gaps.strip("|").split("|")]
+    rates = [float(cell.split()[0]) for cell in cells[1:5]]
+    assert all(rate > 0 for rate in rates) and 1 <= int(cells[6].split()[0]) <= 4
+    assert _ratio_of_rounded(float(cells[5].strip("*x").split()[0]), rates[3], max(rates[:3]))
     assert set(glob.glob(f"{tempfile.gettempdir()}/gloader-bench-jpegs-*")) == before
 
 

@@ -82,7 +82,7 @@ def test_stats_say_how_many_workers_of_what_kind_and_why(monkeypatch: pytest.Mon
     with DataLoader(np.arange(8), batch_size=4, num_workers="auto", memory_budget=2**30) as auto:
         assert auto.stats()["workers"] == {
             "count": 3, "kind": "processes", "chosen_by": "num_workers='auto': one per CPU of cpu_budget=3 to start",
-            "most": 48, "cpu_budget": 3.0, "memory_budget": 2**30, "changes": []}
+            "most": 48, "cpu_budget": 3.0, "memory_budget": 2**30, "budgets_shared_by": 1, "changes": []}
     with DataLoader(np.arange(8), batch_size=4, num_workers=2, thread_pool=True) as threads, \
             DataLoader(np.arange(8), batch_size=4) as in_process, gloader.WorkerPool(2) as pool, \
             DataLoader(np.arange(8), batch_size=4, pool=pool) as shared:

@@ -27,6 +27,8 @@ Workloads:
         not installed.
     W10 the same rows in numpy arrays, with a plain `__getitems__` (one fancy index per
         batch, then a sample per row), batch 256; both loaders call it once per batch.
+    W3 and W8 also run num_workers='auto' against 1, 2 and 4 workers with a validation pass
+        between epochs (see `gloader.bench.gaps`).
     W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data).
     W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench.memory`.
     W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench.device`.
@@ -71,6 +73,7 @@ from .datasets import (
     write_jpeg_folder,
 )
 from .figures import summary, three_digits
+from .gaps import GAP_LOADERS, measure_gaps, report_gaps
 from .peers import ComputeCeiling, InProcessLoop, TensorpackLoop, has_tensorpack
 from .remote import measure_remote, remote_loader_names, remote_summary, report_remote
 
@@ -97,6 +100,11 @@ _PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "ceiling", "gloader
           "W3": ("in-process", "gloader nw=1", "ceiling", "gloader auto"), "W8": ("ceiling", "gloader auto")}
 _SCALING = ("W3", "W8")
 _SCALING_WORKERS = (1, 2, 4)
+# num_workers='auto' with validation passes (see gaps): at most this many rounds (a round runs
+# 4 loaders for 4 epochs and 4 passes each), and the batches of a training epoch per workload
+# (W3: about 1.5 s at 2 workers; W8: about 3 s).
+_GAP_ROUNDS = 3
+_GAP_BATCHES = {"W3": 120, "W8": 20}
 
 
 @dataclasses.dataclass
@@ -249,7 +257,9 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         with_remote = only is None or "W11" in only
         steps = sum(2 + len(_PEERS.get(w.name, ())) for w in workloads) + with_latency * 2 + \
             with_remote * len(remote_loader_names())
-        progress = _Progress(rounds * steps + len(scaling) * len(_SCALING_WORKERS) * 2 * rounds)
+        gap_rounds = min(rounds, _GAP_ROUNDS)
+        progress = _Progress(rounds * steps + len(scaling) * len(_SCALING_WORKERS) * 2 * rounds
+                             + len(scaling) * len(GAP_LOADERS) * gap_rounds)
         datasets = {}
         for work in workloads:
             datasets[work.name] = work.make()  # once: W8 writes 2,000 JPEGs
@@ -258,6 +268,8 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
                 del datasets[work.name]
         if scaling:
             results["scaling"] = {w.name: _measure_scaling(w, datasets[w.name], rounds, progress) for w in scaling}
+            results["gaps"] = measure_gaps({w.name: (datasets[w.name], w.batch_size, _GAP_BATCHES[w.name])
+                                            for w in scaling}, quick, gap_rounds, progress.step)
         _run_memory(quick, only, results)
         if with_remote:
             results["W11"] = measure_remote(quick, rounds, progress.step)
@@ -409,7 +421,7 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {name} {res['title']} | {summary(res['samples_per_s']['gloader'])} | "
                      f"{summary(res['samples_per_s']['torch'])} | {summary(res['mb_per_s']['gloader'])} | "
                      f"{summary(res['mb_per_s']['torch'])} | **{summary(res['ratio'])}x** |")
-    lines += _report_peers(results) + _report_scaling(results)
+    lines += _report_peers(results) + _report_scaling(results) + report_gaps(results)
     from .device import report_device
     from .memory import report_memory
 
