@@ -67,16 +67,17 @@ class Tagged(gloader.Dataset):
 class RaisesAt(gloader.Dataset):
     """Raises `error` (a LookupError subclass by default) when sample `bad` is loaded."""
 
-    def __init__(self, bad: int, length: int = 40) -> None:
+    def __init__(self, bad: int, length: int = 40, error: type[Exception] | None = None) -> None:
         self.bad = bad
         self.length = length
+        self.error = error
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, idx: int) -> Any:
         if idx == self.bad:
-            raise CustomLookupError(f"sample {idx} is corrupt")
+            raise (self.error or CustomLookupError)(f"sample {idx} is corrupt")
         return np.array([idx], dtype=np.int64)
 
 
@@ -96,22 +97,6 @@ class UnprintableError(Exception):
 
     def __str__(self) -> str:
         raise RuntimeError("no text for this error")
-
-
-class RaisesUnprintable(gloader.Dataset):
-    """Sample `bad` raises an UnprintableError; the others are [i]."""
-
-    def __init__(self, bad: int, length: int = 64) -> None:
-        self.bad = bad
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, idx: int) -> Any:
-        if idx == self.bad:
-            raise UnprintableError()
-        return np.array([idx], dtype=np.int64)
 
 
 class RaisesUnrebuildable(gloader.Dataset):

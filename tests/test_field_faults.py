@@ -526,7 +526,7 @@ def test_workers_of_a_killed_caller_exit_with_a_code_that_says_so() -> None:
 
 @pytest.mark.parametrize("mode", [{}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
 def test_an_exception_whose_str_raises_fails_its_batch_alone_named(mode: dict) -> None:
-    with DataLoader(_data.RaisesUnprintable(bad=13), batch_size=2, **mode) as loader:
+    with DataLoader(_data.RaisesAt(bad=13, length=64, error=_data.UnprintableError), batch_size=2, **mode) as loader:
         got, errors = take_all(iter(loader), _data.UnprintableError)
     assert len(errors) == 1
     assert "batch 6 of epoch 0, at sample index 13" in errors[0].__notes__[-1]
