@@ -1,59 +1,18 @@
 """Admission: on a pool with more process workers than CPUs, while its tasks keep the CPU
 busy, one worker per CPU takes them and the other workers wait, instead of time-sharing the
-CPUs.
+CPUs (which refills the caches at every switch).
 
-Time-shared CPU-bound workers are switched every time slice, and each switch refills the
-caches: W8 (JPEG decoding) with 4 workers on 2 cores took 157-167 ms of worker CPU a batch
-against 148-156 ms with 2. A worker takes a permit before it reads its next task from the
-pool's queue and keeps it across tasks, so tasks go only to permit holders (and to workers
-that run without one, below): CPU-bound work runs as with one worker per CPU, with no switch
-between workers at all. Measured with fresh loaders, one iterator across warm-up and timed
-batches, median of the per-round ratios of 4 workers to 2 on 2 cores: W3 (16 ms batches, 10
-rounds of 100 after 20, the benchmark's own turns, twice) 1.004x and 0.996x, against 0.990x
-when a permit was taken per task (and released after it, so the CPU went to a waiting worker
-after every task) and 0.988x without permits (8 rounds of 150 after 20); W8 (6 rounds of 48
-after 32) 1.003x, against 0.993x per task and 0.997x without, and 0.994x in 8 rounds of the
-benchmark's turns. A permit per task read 1.020x on W8 in 10 other rounds: all within the
-noise of this machine, except that the worker CPU a W8 batch took fell from 158.8 ms (per
-task) to 153.5.
-
-No task waits for a permit: a worker waits for a permit only before it reads a task, holding
-none; a holder either runs a task or waits on the queue, so every task queued is taken by a
-holder or by a worker without permits. Tasks can wait for one another, though: samples that
-meet at a barrier, or a dataset whose `__getitem__` waits for what other workers produce. Had
-every holder such a task, the tasks they wait for would stay queued until the loader's
-timeout. So a waiting worker tries every permit every _WAIT_POLL_S, and watches the holders
-(the kernel names them): when one has spent the last interval inside a task and off the CPU
-(neither running nor waiting for a CPU, from its /proc schedstat), its CPU idles, and the
-waiting worker takes its next task without a permit. A holder waiting on the queue between
-tasks is not a reason (the status table says which holders are inside a task). Measured: 6
-workers on 2 CPUs whose samples meet at a barrier of 6 (torch's test_worker_seed does that)
-timed out before, and load in ~0.1 s now.
-Permits are POSIX record locks on files of the pool's directory (`_mppool.ProcessLock`): the
-kernel releases a dead worker's permit, so a kill never loses one.
-
-Stream tasks (an iterable dataset) run without permits: each worker answers from its own
-shard, so a worker kept waiting would keep its shard from the epoch. A worker gives its
-permit back when it takes a stream task, and takes none until it takes a task by key.
-
-Only tasks that keep the CPU busy are held back. The worker splits each task's time, from
-its thread's own counters, into running (CPU time), waiting for a CPU (the scheduler's run
-delay, /proc/thread-self/schedstat) and blocked (the rest: reads, sleeps, locks), and keeps
-a moving average of the blocked share. A task that never gave up its CPU of its own accord
-(no voluntary context switch, getrusage(RUSAGE_THREAD)) did not block, whatever its times
-say: on a virtual machine the hypervisor takes the CPU from a running guest now and then
-(steal time), and that time is neither the thread's CPU time nor its run delay, so a
-CPU-bound task on a busy host read as blocked by the share stolen, lost its permit and
-time-shared the CPUs again. A permit holder that blocks leaves its CPU idle,
-which costs about the share it blocks: a synthetic dataset (1 ms of CPU and a sleep per
-sample, 4 workers on 2 CPUs) read 0.87x, 0.83x and 0.80x with permits than without when it
-slept ~11%, ~16% and ~20% of the time (from 2 workers' loss), 0.99x when it never slept;
-with the average below, 1.00-1.01x, and with the permit kept across tasks 1.005x, 0.999x and
-1.012x with no sleep, 0.2 ms and 0.5 ms a sample (batches of 16, 4 rounds of 100 after 20).
-So a worker holds a permit only while its average stays under _BLOCKED_SHARE, and gives it
-back as soon as it goes over; a dataset that waits on storage or the network (the reason to
-start more workers than CPUs) keeps every worker running. Where the run delay cannot be
-read, there are no permits.
+The rules: a worker takes a permit (a POSIX record lock on a file of the pool's directory,
+`_mppool.ProcessLock`, which the kernel frees when its holder dies) before it reads its next
+task, and keeps it across tasks. No task waits for a permit, since only a worker holding none
+waits for one. A waiting worker tries every permit every _WAIT_POLL_S and takes its next task
+without one when a holder spent the last interval inside a task and off the CPU (tasks that
+wait for one another: samples meeting at a barrier). Stream tasks run without permits. A worker
+whose tasks spend more than _BLOCKED_SHARE of their time blocked (a moving average; a task
+with no voluntary context switch never counts as blocked, so stolen time on a virtual machine
+does not) holds no permit, so datasets that wait on storage keep every worker running. Where
+the run delay cannot be read, there are no permits. The measurements behind each rule are in
+docs/design.md, "More workers than CPUs".
 """
 from __future__ import annotations
 

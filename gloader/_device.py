@@ -158,7 +158,7 @@ _DONE = object()
 class PinThread:
     """Fetches and pins host batches in a background thread of the caller's process.
 
-    While it runs, it is the only user of the loader's dispatcher; the loader stops it
+    While it runs, it is the only user of the loader's engine; the loader stops it
     (`stop()`) before starting another epoch, loading a state or closing. It holds the
     iterator weakly and ends when the iterator is dropped.
 
@@ -175,9 +175,6 @@ class PinThread:
         self._iterator = weakref.ref(iterator)
         self._thread = threading.Thread(target=self._run, args=(device_id,), name="gloader-pin", daemon=True)
         self._thread.start()
-
-    def serves(self, iterator: Any) -> bool:
-        return self._iterator() is iterator
 
     def _run(self, device_id: int) -> None:
         import torch

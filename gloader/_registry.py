@@ -3,7 +3,7 @@
 Every worker (process or thread) holds the dataset, batchify function, `worker_init_fn` and
 seed of each loader it serves under that loader's id, so that several loaders (or one thread
 pool serving several loaders) never see each other's data. Filled by the pool initializer
-(`_worker.initialize_worker`) or, for a loader that joins a running pool, from its payload
+(`_worker.initialize_process_worker`, `_worker.initialize_thread_worker`) or, for a loader that joins a running pool, from its payload
 file on the worker's first task for it. Never imports caller-side code.
 """
 from __future__ import annotations

@@ -58,13 +58,6 @@ def _uss_mb(pids: list[int]) -> list[float]:
     return [psutil.Process(pid).memory_full_info().uss / _MB for pid in pids]
 
 
-def _torch_worker_pids() -> list[int]:
-    import psutil
-
-    me = psutil.Process()
-    return [p.pid for p in me.children() if "torch" in " ".join(p.cmdline()) or p.name().startswith("python")]
-
-
 def _growth(loader: Any, pids_of: Any) -> list[float]:
     """USS growth (MB) per worker from the first batch to the end of one epoch."""
     it = iter(loader)
