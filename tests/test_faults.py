@@ -427,7 +427,10 @@ def test_pools_outliving_or_restarted_after_dead_workers_release_their_descripto
                 counts.append(descriptors())
         if pool is not None:
             pool.close()
-        assert max(counts[2:]) <= counts[1] + 2, counts  # flat, not ~12 more per death
+        # Flat, not ~12 more per death: the last six restarts hold no more than the first six
+        # (a leak would add ~70 between them). One count can be a few over its neighbours where
+        # the pool's maintenance thread, slowed by a busy machine, has not let a dead worker go yet.
+        assert max(counts[6:]) <= max(counts[:6]) + 4, counts
     finally:
         gc.enable()
 
