@@ -168,6 +168,10 @@ def test_a_turn_waits_until_the_workers_of_the_loaders_before_it_are_idle(monkey
     # spins for CPU time, not wall time, and the deadline is wide: on a machine busy with other
     # programs its 0.3 s of CPU can take seconds.
     monkeypatch.setattr(cli, "_SETTLE_DEADLINE_S", 60.0)
+    # Beside other CPU-bound programs the spinning child may get under 3 ticks of a 0.1 s poll and
+    # look idle: half-second polls, and idle meaning no tick at all, tell it apart there too.
+    monkeypatch.setattr(cli, "_SETTLE_POLL_S", 0.5)
+    monkeypatch.setattr(cli, "_IDLE_TICKS", 0)
     context = multiprocessing.get_context("fork")
     began, spun, release = context.Event(), context.Event(), context.Event()
     child = context.Process(target=_spin_then_wait, args=(began, spun, release))
