@@ -239,6 +239,11 @@ class SlotMaps:
                 "workers run as another user, or a security module forbids it; keep the caller dumpable and the "
                 "workers its own user, or use thread_pool=True or num_workers=0") from exc
         try:
+            # The caller may have retired the slot before this worker opened it (a task discarded
+            # after a death) and reused its descriptor number for another, smaller file: mapping
+            # past that file's end and reading the header would end this worker with SIGBUS.
+            if os.fstat(local).st_size < _HEADER_BYTES + capacity:
+                raise RuntimeError(f"{path} is not the slot gloader's caller (pid {pid}) lent (smaller than it)")
             segment = _map_fd(local, _HEADER_BYTES + capacity)
         finally:
             os.close(local)
