@@ -361,7 +361,7 @@ class Tuner:
         if memory_budget is not None and m.uss_bytes is not None and m.uss_bytes > memory_budget and count > 1:
             return max(1, math.floor(count * memory_budget / m.uss_bytes)), f"shrank, over the memory budget{shared}"
         if m.cpu is not None and m.cpu > cpu_budget * _CPU_OVER and count > 1:
-            return max(1, math.floor(count * cpu_budget / max(m.cpu, 1e-9))), f"shrank, over the CPU budget{shared}"
+            return max(1, math.floor(count * cpu_budget / m.cpu)), f"shrank, over the CPU budget{shared}"
         grown, self._grown_from = self._grown_from, None
         if grown is not None and m.rate < grown[1] * (1 + _GROWTH_GAIN * (count - grown[0]) / grown[0]):
             self._blocked[count] = now + _RETRY_S
