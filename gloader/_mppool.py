@@ -16,10 +16,11 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_RETIRED", "EXIT_TASKS_CLOSED", "ProcessLock", "disk_full",
-           "forget_task", "forget_pool_after_fork", "is_retire_task", "make_pool_class", "make_thread_pool", "on_result_sent",
-           "on_task_taken", "on_task_wanted", "pool_resizing", "pool_running", "pool_workers", "release_pool_files",
-           "resize_pool", "send_partial", "stop_maintenance"]
+__all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_RETIRED", "EXIT_TASKS_CLOSED", "MODULE_NAMES",
+           "POOL_ATTRIBUTES", "QUEUE_ATTRIBUTES", "check_multiprocess", "disk_full", "forget_pool_after_fork",
+           "forget_task", "is_retire_task", "make_pool_class", "make_thread_pool", "missing_multiprocess_names",
+           "on_result_sent", "on_task_taken", "on_task_wanted", "pool_resizing", "pool_running", "pool_workers",
+           "ProcessLock", "release_pool_files", "resize_pool", "send_partial", "stop_maintenance"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
@@ -587,6 +588,70 @@ def _rebuild_queue(state: Any, atomic_reads: bool) -> Any:
     return queue
 
 
+# Every name of multiprocess's that this module relies on and multiprocess does not document:
+# module attributes, and the attributes of a running pool (`POOL_ATTRIBUTES`) and its queues
+# (`QUEUE_ATTRIBUTES`). setup.py caps multiprocess's version; `missing_multiprocess_names` (run
+# as a pool is made, and by the tests against the installed release) names any that a release
+# renamed, so that the error says so instead of an AttributeError from inside a pool's thread.
+MODULE_NAMES = {
+    "multiprocess.pool": ("worker", "RUN", "CLOSE", "TERMINATE", "job_counter", "ApplyResult", "Pool", "ThreadPool",
+                          "Pool._setup_queues", "Pool._get_sentinels", "Pool._check_running",
+                          "Pool._repopulate_pool_static", "ApplyResult._set"),
+    "multiprocess.queues": ("SimpleQueue", "_ForkingPickler"),
+    "multiprocess.process": ("_children",),
+}
+POOL_ATTRIBUTES = ("_cache", "_pool", "_processes", "_state", "_taskqueue", "_inqueue", "_outqueue", "_ctx",
+                   "_change_notifier", "_worker_handler", "_terminate", "_quick_put", "_quick_get")
+QUEUE_ATTRIBUTES = ("_reader", "_writer", "_rlock", "_wlock", "_poll")
+
+
+def missing_multiprocess_names(pool: Any = None) -> list[str]:
+    """The names of MODULE_NAMES (and of POOL_ATTRIBUTES on `pool`, a running pool, and
+    QUEUE_ATTRIBUTES on multiprocess's SimpleQueue) that the installed multiprocess lacks."""
+    import importlib
+
+    missing = []
+    for module_name, names in MODULE_NAMES.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            found: Any = module
+            for part in name.split("."):
+                found = getattr(found, part, _GONE)
+            if found is _GONE:
+                missing.append(f"{module_name}.{name}")
+    if pool is not None:
+        missing += [f"Pool().{name}" for name in POOL_ATTRIBUTES if not hasattr(pool, name)]
+        from multiprocess import get_context
+
+        queue = get_context().SimpleQueue()
+        try:
+            missing += [f"SimpleQueue().{name}" for name in QUEUE_ATTRIBUTES if not hasattr(queue, name)]
+        finally:
+            queue.close()
+    return missing
+
+
+_GONE = object()
+
+
+def check_multiprocess() -> None:
+    """Raise ImportError naming multiprocess's renamed names, if the installed release lacks any."""
+    global _CHECKED
+    if _CHECKED:
+        return
+    missing = missing_multiprocess_names()
+    if missing:
+        import multiprocess
+
+        raise ImportError(f"gloader's process pool relies on names that multiprocess "
+                          f"{getattr(multiprocess, '__version__', '?')} no longer has ({', '.join(missing)}); "
+                          "install the release setup.py names (pip install 'multiprocess>=0.70.15,<0.71')")
+    _CHECKED = True
+
+
+_CHECKED = False
+
+
 def make_pool_class() -> type:
     """A `multiprocess.Pool` without three per-batch costs that gloader does not need.
 
@@ -606,6 +671,7 @@ def make_pool_class() -> type:
     """
     # Over 40 lines: one class body, built lazily so that importing gloader does not import
     # multiprocess's pool; its three overrides only make sense read together.
+    check_multiprocess()
     from multiprocess import pool as mp_pool
     from multiprocess.queues import SimpleQueue
 

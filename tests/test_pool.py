@@ -573,3 +573,26 @@ def test_closing_while_a_worker_loads_a_batch_nobody_wants_is_quiet(caplog) -> N
         loader.close()
     assert not [record.getMessage() for record in caplog.records]
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+def test_every_name_of_multiprocess_that_the_pool_relies_on_is_in_the_installed_release() -> None:
+    """The pool uses names of multiprocess.Pool that are not its API (all listed in _mppool);
+    a multiprocess release that renames one fails here, not in a user's pool thread."""
+    from gloader import _mppool, _pool
+
+    core = _pool.make_core(1, False, "fork", [])
+    try:
+        assert _mppool.missing_multiprocess_names(core.pool) == []
+        assert _mppool.missing_multiprocess_names(object()) == [f"Pool().{name}" for name in _mppool.POOL_ATTRIBUTES]
+    finally:
+        core.close()
+
+
+def test_a_renamed_name_of_multiprocess_is_named_when_a_pool_is_made(monkeypatch) -> None:
+    from gloader import _mppool
+
+    names = dict(_mppool.MODULE_NAMES, **{"multiprocess.pool": ("worker", "Pool._renamed_in_a_release")})
+    monkeypatch.setattr(_mppool, "MODULE_NAMES", names)
+    monkeypatch.setattr(_mppool, "_CHECKED", False)
+    with pytest.raises(ImportError, match=r"multiprocess\.pool\.Pool\._renamed_in_a_release.*<0\.71"):
+        _mppool.make_pool_class()
