@@ -119,6 +119,7 @@ class Engine:
         self._forked_from: int | None = None  # the pid whose workers this process inherited by fork
         self._dataset_picture: Picture | None = None  # the dataset when worker processes took their copy
         self.reordered_epoch: int | None = None  # the latest epoch a batch was collected ahead of an older one
+        self._collected_epoch: int | None = None  # the epoch of the latest batch collected
         self._closed = False  # close() ran: no workers start again
         self._helpers: weakref.WeakSet[Any] = weakref.WeakSet()  # threads fetching through this engine
         self.fetch_threads: dict[int, int] = {}  # worker id -> threads its latest batch was fetched with
@@ -147,8 +148,13 @@ class Engine:
 
     @property
     def window(self) -> int:
-        """Most tasks in flight (following a tuned worker count)."""
-        return self.tuner.window if self.tuner is not None else self._config.prefetch
+        """Most tasks in flight (following a tuned worker count; for a tuned count, wider while
+        all of them belong to an epoch the caller has not started: see `_tuning._BETWEEN_EPOCHS`)."""
+        if self.tuner is None:
+            return self._config.prefetch
+        if self._tasks and self._collected_epoch is not None and self._tasks[0].epoch != self._collected_epoch:
+            return self.tuner.window_between_epochs
+        return self.tuner.window
 
     @property
     def in_flight(self) -> int:
@@ -267,6 +273,7 @@ class Engine:
             self.reordered_epoch = epoch
         position = task.taken
         task.taken += 1
+        self._collected_epoch = epoch
         if task.taken == len(task.jobs):
             self._tasks.remove(task)
         ready = time.monotonic()

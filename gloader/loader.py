@@ -99,7 +99,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             shared pool the count stays as picked. Add fetch_threads for samples that wait.
         pin_memory: pin batches in page-locked memory (for faster copies to CUDA).
         pin_device_id: the CUDA device that pinned memory is meant for.
-        prefetch: most tasks in flight; default 2 * num_workers. A task is one batch, or
+        prefetch: most tasks in flight; default 2 * num_workers (with num_workers='auto',
+            per worker of the count, and twice that between epochs). A task is one batch, or
             for small batches that load quickly (under ~5 ms a task) several consecutive
             ones, at most 16 and 1 MiB.
         thread_pool: run the workers as threads of this process.
