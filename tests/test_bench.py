@@ -404,3 +404,21 @@ def test_help_names_every_workload() -> None:
     starts = re.findall(r"^\s+(W\d+)(?:, (W\d+))? ", listed, re.MULTILINE)  # each line that says what one is
     assert sorted({name for pair in starts for name in pair if name}, key=lambda n: int(n[1:])) == \
         [f"W{i}" for i in range(1, 12)]
+
+
+def test_module_changes_count_each_entry_into_another_module_of_the_package() -> None:
+    """`python -m gloader.bench.boundaries` counts, in one call, each time a call enters a module
+    of the package other than the one entered last; calls outside the package do not count."""
+    from gloader.bench.boundaries import count_changes
+
+    code = compile("def call(then=None):\n    return then() if then else 0\n", "<fake>", "exec")
+    calls = {}
+    for name in ("pkg.a", "pkg.b", "other"):
+        space: dict = {"__name__": name}
+        exec(code, space)
+        calls[name] = space["call"]
+    a, b, other = calls["pkg.a"], calls["pkg.b"], calls["other"]
+    assert count_changes(lambda: a(lambda: a()), "pkg") == 0
+    assert count_changes(lambda: a(lambda: other(lambda: a())), "pkg") == 0
+    assert count_changes(lambda: a(lambda: b(lambda: a())), "pkg") == 2
+    assert count_changes(lambda: a(lambda: other(lambda: b())), "pkg") == 1
