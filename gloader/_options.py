@@ -8,11 +8,12 @@ caller's process; the flow is drawn in `_engine`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 import os
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
@@ -27,21 +28,52 @@ from ._checks import (
 )
 from ._datapipes import is_datapipe, turn_on_datapipe_shuffle
 from ._math import ceil_div
-from ._pool import WorkerPool
 from ._protocol import StreamRequest
 from ._tuning import default_memory_budget, most_workers
 from .batchify import EachSample, default_batchify_fn
 from .dataset import IterableDataset
 from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, dataset_length
 
-__all__ = ["LoaderConfig", "warn_if_every_rank_loads_everything"]
+__all__ = ["LoaderConfig", "PoolLike", "warn_if_every_rank_loads_everything"]
 
 # num_workers above this many per CPU draws a warning at construction. Higher: fewer warnings
 # for deliberately oversubscribed I/O-bound loading; lower: earlier notice of contention.
 _OVERSUBSCRIBED_PER_CPU = 2
 
 
-@dataclasses.dataclass(frozen=True)
+class PoolLike(Protocol):
+    """What a loader reads of the `WorkerPool` given as pool= (a protocol, so that the options
+    need not import the pool; `_is_pool` checks a value for it)."""
+
+    core: Any
+    num_workers: int
+    thread_pool: bool
+    start_method: str | None
+    closed: bool
+
+
+def _argument(check: Callable[[str, Any], Any], argument: str | None = None) -> Any:
+    """A config field that is the DataLoader argument of its name (or `argument`), checked by
+    `check(name, value)`: `LoaderConfig.build` fills it. A new argument of that kind is written
+    in the DataLoader's signature (with its doc), here, and as the loader's attribute."""
+    return dataclasses.field(metadata={"check": check, "argument": argument})
+
+
+def _flag(name: str, value: Any) -> bool:
+    return check_flag(name, value, none_means=False)
+
+
+def _given(name: str, value: Any) -> Any:
+    return value  # checked with others in `build`
+
+
+def _callable(name: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable or None, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
     """The loader's validated settings; made by `LoaderConfig.build` only.
 
@@ -49,10 +81,22 @@ class LoaderConfig:
     (gloader's or torch's IterableDataset). `lookahead`: whether the next epoch's first batches
     may be dispatched before the caller asks (see `build`). `seed` is the seed given as seed=,
     `base_seed` the one to start with (None: drawn at the first iter(), from `generator` if
-    one was given). The fields after `progress` are what torch's DataLoader exposes.
+    one was given). The fields made with `_argument` are arguments checked on their own.
     """
 
-    dataset: Any
+    dataset: Any = _argument(_given)
+    timeout_s: float = _argument(lambda name, value: _check_timeout(value), "timeout")
+    pin_memory: bool = _argument(_flag)
+    device: torch.device | None = _argument(lambda name, value: _check_device(value))
+    worker_init_fn: Callable[[int], None] | None = _argument(_callable)
+    pool: PoolLike | None = _argument(_given)
+    progress: bool = _argument(check_flag)
+    generator: torch.Generator | None = _argument(_given)
+    in_order: bool = _argument(check_flag)
+    # torch's argument. Workers persist across epochs either way; True also keeps their copy of
+    # the dataset for the loader's life, as torch's persistent workers do (torch's own tests
+    # assert it), where False (the default) restarts them when the dataset changed.
+    persistent_workers: bool = _argument(_flag)
     batch_sampler: Any
     stream: StreamRequest | None
     batchify_fn: Callable[[list[Any]], Any]
@@ -60,26 +104,14 @@ class LoaderConfig:
     num_workers: int
     prefetch: int
     thread_pool: bool
-    timeout_s: float
-    pin_memory: bool
     pin_device_id: int
-    device: torch.device | None
     start_method: str | None
-    worker_init_fn: Callable[[int], None] | None
     seed: int | None
     base_seed: int | None
-    pool: WorkerPool | None
-    progress: bool
     batch_size: int | None
     sampler: Any
     drop_last: bool
-    generator: torch.Generator | None
-    in_order: bool
     stream_batches: int | None
-    # torch's argument. Workers persist across epochs either way; True also keeps their copy of
-    # the dataset for the loader's life, as torch's persistent workers do (torch's own tests
-    # assert it), where False (the default) restarts them when the dataset changed.
-    persistent_workers: bool
     # torch's multiprocessing_context when a context object was given (its name is start_method).
     mp_context: Any = None
     # shuffle=True: the loader built a RandomSampler, seeded with the base seed.
@@ -131,53 +163,47 @@ class LoaderConfig:
         return self.prefetch // self.num_workers if self.num_workers else None
 
     @classmethod
-    def build(cls, *, dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, last_batch: Any,
-              batch_sampler: Any, batchify_fn: Any, num_workers: Any, pin_memory: Any, pin_device_id: Any,
-              prefetch: Any, thread_pool: Any, timeout: Any, device: Any, worker_init_fn: Any, seed: Any,
-              start_method: Any, pool: Any, progress: Any, collate_fn: Any = None, drop_last: Any = None,
-              persistent_workers: Any = None, prefetch_factor: Any = None, multiprocessing_context: Any = None,
-              generator: Any = None, in_order: Any = True, fetch_threads: Any = None, cpu_budget: Any = None,
-              memory_budget: Any = None) -> LoaderConfig:
-        """Check every argument and their combinations; torch's names are merged into Gluon's.
+    def build(cls, given: dict[str, Any]) -> LoaderConfig:
+        """Check every DataLoader argument (`given`: each by its name in the signature) and their
+        combinations; torch's names are merged into Gluon's.
 
         Raises:
             TypeError, ValueError: naming the argument, the value given and what is allowed.
         """
-        batchify_fn = _one_of("batchify_fn", batchify_fn, "collate_fn", collate_fn)
-        last_batch = _merge_drop_last(last_batch, drop_last)
-        start_method = _one_of("start_method", start_method, "multiprocessing_context",
-                               _context_name(multiprocessing_context))
+        checked = {field.name: field.metadata["check"](name, given[name]) for field in dataclasses.fields(cls)
+                   if "check" in field.metadata for name in [field.metadata["argument"] or field.name]}
+        check_flag("try_nopython", given["try_nopython"], none_means=False)  # accepted, never used
+        dataset, pool, sampler, batch_sampler = given["dataset"], given["pool"], given["sampler"], given["batch_sampler"]
+        batchify_fn = _one_of("batchify_fn", given["batchify_fn"], "collate_fn", given["collate_fn"])
+        last_batch = _merge_drop_last(given["last_batch"], given["drop_last"])
+        context = given["multiprocessing_context"]
+        start_method = _one_of("start_method", given["start_method"], "multiprocessing_context", _context_name(context))
+        num_workers, thread_pool = given["num_workers"], given["thread_pool"]
         if pool is not None:
-            num_workers, thread_pool, start_method = _take_pool_settings(pool, num_workers, thread_pool,
-                                                                         start_method)
+            num_workers, thread_pool, start_method = _take_pool_settings(pool, num_workers, thread_pool, start_method)
+        cpu_budget, memory_budget = given["cpu_budget"], given["memory_budget"]
         budget = _check_budgets(num_workers, cpu_budget, memory_budget)
         workers = _check_num_workers(num_workers, budget[0])
         chosen = ("the workers of the WorkerPool given as pool=" if pool is not None else
                   f"num_workers='auto': one per CPU of cpu_budget={budget[0]:g} to start"
                   if num_workers == "auto" else "num_workers as given")
         method = check_start_method(start_method)
-        persistent = check_flag("persistent_workers", persistent_workers, none_means=False)
-        _check_worker_options(workers, method, persistent, prefetch, prefetch_factor)
+        prefetch, prefetch_factor = given["prefetch"], given["prefetch_factor"]
+        _check_worker_options(workers, method, checked["persistent_workers"], prefetch, prefetch_factor)
         depth = _check_prefetch(prefetch if prefetch_factor is None else
                                 check_positive_int("prefetch_factor", prefetch_factor) * workers, workers)
-        timeout_s = _check_timeout(timeout)
-        if worker_init_fn is not None and not callable(worker_init_fn):
-            raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
-        given_seed = _seed_from(seed, generator)
+        given_seed = _seed_from(given["seed"], given["generator"])
         base_seed = given_seed  # None: drawn at the first iter(), where torch draws (see DataLoader.__iter__)
-        pin = check_flag("pin_memory", pin_memory, none_means=False)
-        pin_id = _check_pin_device(pin, pin_device_id)
-        target = _check_device(device)
-        if batchify_fn is not None and not callable(batchify_fn):
-            raise TypeError(f"batchify_fn must be callable or None, got {batchify_fn!r}")
-        plan = _plan_batches(dataset, batch_size, shuffle, sampler, last_batch, batch_sampler, base_seed,
-                             batchify_fn)
+        pin_id = _check_pin_device(checked["pin_memory"], given["pin_device_id"])
+        batchify_fn = _callable("batchify_fn", batchify_fn)
+        plan = _plan_batches(dataset, given["batch_size"], given["shuffle"], sampler, last_batch, batch_sampler,
+                             base_seed, batchify_fn)
         thread = check_flag("thread_pool", thread_pool)
         if thread and workers > 1 and is_datapipe(dataset):
             raise ValueError(f"a torch IterDataPipe allows one iterator at a time, and thread workers share one "
                              f"dataset: thread_pool=True with num_workers={workers} would read it from {workers} "
                              "threads at once; use process workers (thread_pool=False) or num_workers=1")
-        fetch = _check_fetch_threads(fetch_threads, workers, thread, plan.stream is not None)
+        fetch = _check_fetch_threads(given["fetch_threads"], workers, thread, plan.stream is not None)
         tunes = budget[0] is not None and pool is None and not thread and plan.stream is None and workers > 0
         most = max(workers, most_workers(budget[0])) if budget[0] is not None and tunes else workers
         _warn_about_setup(workers)
@@ -187,16 +213,13 @@ class LoaderConfig:
         # would load the next epoch from a dataset the caller may still change between epochs.
         lookahead = (sampler is None and batch_sampler is None and plan.stream is None and workers > 0
                      and not thread)
-        return cls(dataset=dataset, batch_sampler=plan.batch_sampler, stream=plan.stream,
-                   batchify_fn=plan.batchify_fn, lookahead=lookahead, num_workers=workers, prefetch=depth,
-                   thread_pool=thread, timeout_s=timeout_s, pin_memory=pin, pin_device_id=pin_id, device=target,
-                   start_method=method, worker_init_fn=worker_init_fn, seed=given_seed, base_seed=base_seed,
-                   pool=pool, progress=check_flag("progress", progress), batch_size=plan.batch_size,
-                   sampler=plan.sampler, drop_last=plan.drop_last, generator=generator,
-                   in_order=check_flag("in_order", in_order), stream_batches=plan.stream_batches,
-                   persistent_workers=persistent,
-                   mp_context=None if isinstance(multiprocessing_context, str) else multiprocessing_context,
-                   own_shuffle=bool(shuffle) and sampler is None and batch_sampler is None and plan.stream is None,
+        return cls(**checked, batch_sampler=plan.batch_sampler, stream=plan.stream, batchify_fn=plan.batchify_fn,
+                   lookahead=lookahead, num_workers=workers, prefetch=depth, thread_pool=thread, pin_device_id=pin_id,
+                   start_method=method, seed=given_seed, base_seed=base_seed, batch_size=plan.batch_size,
+                   sampler=plan.sampler, drop_last=plan.drop_last, stream_batches=plan.stream_batches,
+                   mp_context=None if isinstance(context, str) else context,
+                   own_shuffle=bool(given["shuffle"]) and sampler is None and batch_sampler is None
+                   and plan.stream is None,
                    fetch_threads=fetch, workers_chosen=chosen, cpu_budget=budget[0], memory_budget=budget[1],
                    budgets_shared=(cpu_budget is None, memory_budget is None), most_workers=most)
 
@@ -396,9 +419,16 @@ def _stream_batches(dataset: Any, stream: StreamRequest) -> int | None:
     return ceil_div(samples, stream.batch_size) if stream.keep_last else samples // stream.batch_size
 
 
+def _is_pool(value: Any) -> bool:
+    """Whether `value` has what a `PoolLike` has (read without running a property: a closed
+    pool's `core` raises)."""
+    return all(inspect.getattr_static(value, name, None) is not None
+               for name in ("core", "num_workers", "thread_pool", "closed"))
+
+
 def _take_pool_settings(pool: Any, num_workers: Any, thread_pool: Any,
                         start_method: Any) -> tuple[int, bool, str | None]:
-    if not isinstance(pool, WorkerPool):
+    if not _is_pool(pool):
         raise TypeError(f"pool must be a gloader.WorkerPool or None, got {type(pool).__name__}")
     if pool.closed:
         raise ValueError("pool= is a closed WorkerPool; create a new one (or close it after its loaders)")

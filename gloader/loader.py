@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch.utils.data as torch_data
 
 from . import _pool
-from ._checks import check_flag
 from ._device import DevicePipeline, warn_if_cannot_pin
 from ._engine import Engine
 from ._iterator import EpochIterator, Position
@@ -47,7 +46,8 @@ def _read_only(name: str, loader: Any) -> _ReadOnlyAttributeError:
 
 
 class _FromConfig:
-    """A read-only loader attribute, read from the loader's checked config."""
+    """A read-only loader attribute, read from the loader's checked config; also in the
+    loader's instance dict (see _IN_VARS)."""
 
     def __init__(self, field: str, doc: str) -> None:
         self._field = field
@@ -61,15 +61,6 @@ class _FromConfig:
 
     def __set__(self, loader: Any, value: Any) -> None:
         raise _read_only(self._name, loader)
-
-
-# Attributes a torch DataLoader keeps in its instance dict, which tools read through vars()
-# to build the loader again (Lightning, to put in a DistributedSampler); also the Gluon
-# arguments with no torch name, so a loader built again keeps them.
-_IN_VARS = ("dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "num_workers", "pin_memory",
-            "timeout", "worker_init_fn", "prefetch_factor", "collate_fn", "generator", "persistent_workers",
-            "in_order", "pin_memory_device", "pin_device_id", "device", "seed", "thread_pool", "pool", "progress",
-            "fetch_threads", "cpu_budget", "memory_budget")
 
 
 class DataLoader(torch_data.DataLoader[_T_co]):
@@ -169,15 +160,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                  multiprocessing_context: Any = None, generator: Any = None, in_order: bool = True,
                  fetch_threads: int | str | None = None, try_nopython: bool | None = None,
                  cpu_budget: float | None = None, memory_budget: int | None = None) -> None:
-        check_flag("try_nopython", try_nopython, none_means=False)
-        self._options = LoaderConfig.build(
-            dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, last_batch=last_batch,
-            batch_sampler=batch_sampler, batchify_fn=batchify_fn, num_workers=num_workers, pin_memory=pin_memory,
-            pin_device_id=pin_device_id, prefetch=prefetch, thread_pool=thread_pool, timeout=timeout,
-            device=device, worker_init_fn=worker_init_fn, seed=seed, start_method=start_method, pool=pool,
-            progress=progress, collate_fn=collate_fn, drop_last=drop_last, persistent_workers=persistent_workers,
-            prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context, generator=generator,
-            in_order=in_order, fetch_threads=fetch_threads, cpu_budget=cpu_budget, memory_budget=memory_budget)
+        self._options = LoaderConfig.build({name: value for name, value in locals().items() if name != "self"})
         config = self._options
         self._id = next(_LOADER_IDS)
         self._schedule = Schedule(config.batch_sampler, config.stream, config.base_seed, config.lookahead,
@@ -526,6 +509,13 @@ def _make_payload(config: LoaderConfig, schedule: Schedule, pickled: bool) -> An
     payload = build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, pickled)
     payload.fetch_threads = config.fetch_threads
     return payload
+
+
+# Attributes a torch DataLoader keeps in its instance dict, which tools read through vars()
+# to build the loader again (Lightning, to put in a DistributedSampler); also the Gluon
+# arguments with no torch name, so a loader built again keeps them.
+_IN_VARS = tuple(name for name, attribute in vars(DataLoader).items() if isinstance(attribute, _FromConfig)) + (
+    "timeout", "pin_memory_device", "batch_sampler")
 
 
 class _LatestIterator:

@@ -1,6 +1,7 @@
 """The public surface is exactly the names the API reference (docs/api.md) documents."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -58,3 +59,22 @@ def test_mxnet2_try_nopython_is_accepted_and_checked() -> None:
         assert [b.tolist() for b in gloader.DataLoader(list(range(5)), 2, try_nopython=value)] == expected
     with pytest.raises(TypeError, match="try_nopython must be True or False \\(or None\\), got 'auto'"):
         gloader.DataLoader(list(range(5)), 2, try_nopython="auto")
+
+
+def test_each_argument_reaches_the_config_once_and_a_checked_one_is_also_an_attribute(monkeypatch) -> None:
+    """A new argument is written in three places: the signature (with its doc), a config field
+    (for one checked on its own, `_options._argument`) and the loader attribute; the rest
+    (the call, the checks' wiring, vars()) follows from those."""
+    from gloader import _options
+
+    parameters = inspect.signature(gloader.DataLoader.__init__).parameters
+    seen: list[dict] = []
+    build = _options.LoaderConfig.build.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(_options.LoaderConfig, "build",
+                        classmethod(lambda cls, given: seen.append(given) or build(cls, given)))
+    loader = gloader.DataLoader([1, 2, 3])
+    assert list(seen[0]) == [name for name in parameters if name != "self"]
+    for field in dataclasses.fields(_options.LoaderConfig):
+        if "check" in field.metadata:
+            name = field.metadata["argument"] or field.name
+            assert name in parameters and name in vars(loader), name
