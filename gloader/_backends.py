@@ -1,12 +1,16 @@
 """Where a loader's tasks run: in the caller's thread (`InProcess`), or on a pool of
 workers, the loader's own or a shared `WorkerPool`'s (`OnPool`), with the shared-memory slots
-process workers write into. `start` picks one from the loader's config; the engine submits
-tasks to it and closes it. The whole flow is drawn in `_engine`.
+process workers write into. `start` picks one from the loader's config. Each owns what differs
+between them (whether workers hold a copy of the dataset, watching and tuning the workers, a
+timeout, forgetting unfinished tasks, a fork, closing); the engine submits tasks to it, asks
+it those things and never which one it has. The whole flow is drawn in `_engine`.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import time
 from typing import Any, Callable, Iterator
 
 from ._device import DEVICE_STAGE_HOLDS, PIN_THREAD_HOLDS, register_for_device
@@ -15,10 +19,16 @@ from ._pool import PoolCore, make_core
 from ._registry import Payload, Registration
 from ._seed import preserved_global_rng, seed_global_rng
 from ._transport import SlotPool
+from ._tuning import Tuner
 from ._worker import WorkerState, execute
 
 __all__ = ["Backend", "InProcess", "OnPool", "start"]
 
+logger = logging.getLogger(__name__)
+
+# How often, at most, a tuned loader looks whether a resize of its pool is done (a look scans
+# the status table). Shorter: the next window opens sooner after a resize; longer: less cost.
+_READY_POLL_S = 0.05
 # Deadline for a loader leaving a shared pool to see its batches in flight finish, so that
 # nothing it owns is written after it has released its shared memory.
 _LEAVE_SHARED_POOL_S = 5.0
@@ -81,6 +91,11 @@ class InProcess:
         return _Deferred(lambda: [execute(self._state, self._registration, loader_id, epoch, number, seed, work, None)
                                   for number, seed, work in batches])
 
+    # Nothing runs elsewhere: no copy of the dataset, no workers to watch, tune or forget.
+    copies_dataset = False
+    owns_workers = True
+    has_workers = False
+
     def find_dead_worker(self) -> str | None:
         return None
 
@@ -90,6 +105,18 @@ class InProcess:
     def worker_processes(self) -> list[Any]:
         return []
 
+    def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None:
+        pass
+
+    def timed_out(self, epoch: int, numbers: list[int]) -> None:
+        pass
+
+    def forget(self, result: Any) -> None:
+        pass
+
+    def forget_after_fork(self) -> bool:
+        return False
+
     def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
         pass
 
@@ -97,11 +124,56 @@ class InProcess:
 class OnPool:
     """Runs tasks on a pool of workers: the loader's own, or a shared `WorkerPool`'s."""
 
-    def __init__(self, core: PoolCore, owns_core: bool, loader_id: int, slots: SlotPool | None) -> None:
+    has_workers = True
+
+    def __init__(self, core: PoolCore, owns_core: bool, loader_id: int, slots: SlotPool | None,
+                 persistent_workers: bool) -> None:
         self.core = core
-        self.owns_core = owns_core
+        self.owns_workers = owns_core
         self.slots = slots
         self._loader_id = loader_id
+        # Worker processes hold a copy of the dataset (threads read the caller's); torch's
+        # persistent workers keep theirs whatever happens to the caller's.
+        self.copies_dataset = slots is not None and not persistent_workers
+        self._ready_looked = 0.0  # when the tuner last looked whether a resize is done
+
+    def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None:
+        """Count a batch collected in the tuner's window; resize the pool when it decides to."""
+        tuner.observe(waited_s, worker_s)
+        core = self.core
+        if tuner.settling:
+            now = time.monotonic()
+            if now - self._ready_looked >= _READY_POLL_S:
+                self._ready_looked = now
+                if core.workers_ready():
+                    tuner.begin(core.worker_pids())
+            return
+        if not tuner.due():
+            return
+        before = tuner.count
+        count = tuner.decide(tuner.measure(core.worker_pids()))
+        if count is not None:
+            if core.resize(count):
+                logger.info("gloader loader %d: %d -> %d workers (%s)", self._loader_id, before, count,
+                            tuner.changes[-1]["why"])
+            else:
+                tuner.refused(before)
+
+    def timed_out(self, epoch: int, numbers: list[int]) -> None:
+        """A batch of these took longer than the timeout: a shared pool outlives this loader, so
+        the worker loading it is ended (a hung worker would hold its place forever)."""
+        if not self.owns_workers:
+            self.core.kill_worker_loading(self._loader_id, epoch, numbers)
+
+    def forget(self, result: Any) -> None:
+        """A task that never finished (a dead worker's): the pool stops waiting for it."""
+        self.core.forget(result)
+
+    def forget_after_fork(self) -> bool:
+        """In a forked child: the workers are the parent's (see `PoolCore.forget_after_fork`)."""
+        if self.owns_workers:
+            self.core.forget_after_fork()
+        return True
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> Any:
         return self.core.submit(args, on_ready)
@@ -117,7 +189,7 @@ class OnPool:
 
     def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
         try:
-            if self.owns_core:
+            if self.owns_workers:
                 self.core.close(prompt)
             elif not self.core.closed:  # a closed pool's workers are gone: nothing left to wait for
                 drain(_LEAVE_AFTER_FAILURE_S if prompt else _LEAVE_SHARED_POOL_S)
@@ -153,7 +225,7 @@ def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], P
     spare = _SPARE_SLOTS + (PIN_THREAD_HOLDS if config.pin_thread else 0) + \
         (DEVICE_STAGE_HOLDS if config.device is not None else 0)
     slots = None if config.thread_pool else SlotPool(spare, config.most_prefetch + spare + _HELD_WITH_DESCRIPTOR, register)
-    return OnPool(core, config.pool is None, loader_id, slots)
+    return OnPool(core, config.pool is None, loader_id, slots, config.persistent_workers)
 
 
 Backend = InProcess | OnPool

@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 import os
 import time
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
-from ._backends import Backend, OnPool, start
+from ._backends import Backend, start
 from ._options import LoaderConfig
 from ._protocol import (
     BatchTimeoutError,
@@ -70,15 +69,10 @@ __all__ = ["Collected", "Engine"]
 
 _UNREACHABLE = f"{SharedMemoryUnreachableError.__module__}.{SharedMemoryUnreachableError.__qualname__}"
 
-logger = logging.getLogger(__name__)
-
 # How long one wait lasts before worker exit codes and the deadline are checked again.
 # Longer: fewer wake-ups; shorter: a dead worker is reported sooner (the error reaches the
 # caller within about this plus stopping the other workers, ~10 ms: under 60 ms at 0.04).
 _POLL_S = 0.04
-# How often, at most, a tuned loader looks whether a resize of its pool is done (a look scans
-# the status table). Shorter: the next window opens sooner after a resize; longer: less cost.
-_READY_POLL_S = 0.05
 
 
 class Collected(NamedTuple):
@@ -127,7 +121,6 @@ class Engine:
         self.tuner = (Tuner(config.num_workers, config.most_workers, config.cpu_budget or 1.0, config.memory_budget,
                             config.prefetch / config.num_workers, shared=config.budgets_shared)
                       if config.tunes_workers else None)
-        self._ready_looked = 0.0  # when the tuner last looked whether a resize is done
 
     @property
     def worker_count(self) -> int:
@@ -176,8 +169,7 @@ class Engine:
             self._backend = start(self._config, self._loader_id, self._make_payload, self.worker_count)
             if self.tuner is not None:
                 self.tuner.resized()
-            if isinstance(self._backend, OnPool) and not self._config.thread_pool \
-                    and not self._config.persistent_workers:  # torch's persistent workers keep their copy
+            if self._backend.copies_dataset:
                 self._dataset_picture = picture(self._config.dataset)
         return self._backend
 
@@ -192,7 +184,7 @@ class Engine:
     @property
     def owns_workers(self) -> bool:
         """Whether the workers are this loader's own (not a shared WorkerPool's)."""
-        return not isinstance(self._backend, OnPool) or self._backend.owns_core
+        return self._backend is None or self._backend.owns_workers
 
     def accept_dataset(self) -> None:
         """Compare later changes with the dataset as it is now (a shared pool's workers keep
@@ -301,8 +293,8 @@ class Engine:
         batch = message.batch
         if message.fetch_threads:
             self.fetch_threads[message.worker_id] = message.fetch_threads
-        if self.tuner is not None:
-            self._tune(ready - asked, message.fetch_s + message.batchify_s)
+        if self.tuner is not None and self._backend is not None:
+            self._backend.tune(self.tuner, ready - asked, message.fetch_s + message.batchify_s)
         if slots is not None:
             _, _, size, _, _ = batch  # a Handle
             self._sizer.estimate(message, size)
@@ -312,31 +304,6 @@ class Engine:
                    "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
                    "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - ready}
         return Collected(batch, timings, message.worker_id, message.samples, message.shard_began)
-
-    def _tune(self, waited_s: float, worker_s: float) -> None:
-        """Count a batch collected in the tuner's window; resize the pool when it decides to."""
-        tuner, backend = self.tuner, self._backend
-        if tuner is None or not isinstance(backend, OnPool):
-            return
-        tuner.observe(waited_s, worker_s)
-        core = backend.core
-        if tuner.settling:
-            now = time.monotonic()
-            if now - self._ready_looked >= _READY_POLL_S:
-                self._ready_looked = now
-                if core.workers_ready():
-                    tuner.begin(core.worker_pids())
-            return
-        if not tuner.due():
-            return
-        before = tuner.count
-        count = tuner.decide(tuner.measure(core.worker_pids()))
-        if count is not None:
-            if core.resize(count):
-                logger.info("gloader loader %d: %d -> %d workers (%s)", self._loader_id, before, count,
-                            tuner.changes[-1]["why"])
-            else:
-                tuner.refused(before)
 
     def _finished_task(self, epoch: int) -> Task | None:
         """The first task of `epoch` in the window with an answer in (in_order=False)."""
@@ -370,10 +337,8 @@ class Engine:
         except (WorkerExitedError, BatchTimeoutError) as exc:
             self._tasks.remove(task)
             self._discarded.append(task)
-            backend = self._backend
-            if isinstance(exc, BatchTimeoutError) and isinstance(backend, OnPool) and not backend.owns_core:
-                # A shared pool outlives this loader: a hung worker would hold its place forever.
-                backend.core.kill_worker_loading(self._loader_id, task.epoch, [job.number for job in task.jobs])
+            if isinstance(exc, BatchTimeoutError) and self._backend is not None:
+                self._backend.timed_out(task.epoch, [job.number for job in task.jobs])
             self.stop_workers(prompt=True)
             raise
         except BaseException:  # Ctrl-C, or a result that could not be received: the task is not ours any more
@@ -506,10 +471,9 @@ class Engine:
             deadline = time.monotonic() + timeout_s
             for task in self._discarded:
                 task.result.wait(max(0.0, deadline - time.monotonic()))
-            if isinstance(backend, OnPool):  # what did not finish by now never will (a dead worker's)
-                for task in self._discarded:
-                    if not task.result.ready():
-                        backend.core.forget(task.result)
+            for task in self._discarded:  # what did not finish by now never will (a dead worker's)
+                if not task.result.ready():
+                    backend.forget(task.result)
             self._reap_discarded(backend)
 
         backend.close(drain, prompt)
@@ -536,19 +500,17 @@ class Engine:
         parent's. Drop them without closing anything (see `PoolCore.forget_after_fork`); using
         the loader here raises. In-process loading has nothing of the parent's and goes on."""
         backend = self._backend
-        if not isinstance(backend, OnPool):
+        if backend is None or not backend.forget_after_fork():
             return
         self._backend, self._held, self._discarded = None, None, []
         self._tasks.clear()
         self._forked_from = os.getppid()
-        if backend.owns_core:
-            backend.core.forget_after_fork()
 
     def close_from_gc(self) -> None:
         """The loader's finalizer: close, and say so when workers were still running. Where
         warnings are errors (`python -W error`, pytest's `filterwarnings = error`) the warning
         is raised, so it is given only after the workers have stopped."""
-        running = isinstance(self._backend, OnPool)
+        running = self._backend is not None and self._backend.has_workers
         self.stop_workers()
         if running:
             warnings.warn("a gloader DataLoader with running workers was garbage-collected without close(); "
