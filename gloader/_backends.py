@@ -13,12 +13,12 @@ import logging
 import time
 from typing import Any, Callable, Iterator
 
+from ._caller_slots import SlotPool
 from ._device import DEVICE_STAGE_HOLDS, PIN_THREAD_HOLDS, register_for_device
 from ._options import LoaderConfig
 from ._pool import PoolCore, make_core
 from ._registry import Payload, Registration
 from ._seed import preserved_global_rng, seed_global_rng
-from ._transport import SlotPool
 from ._tuning import Tuner
 from ._worker import WorkerState, execute
 

@@ -22,7 +22,7 @@ The whole flow, with who runs each step::
         messages (in short slices: worker exit codes, the batch's own timeout; a task that
         runs long tells a waiting caller by message; with in_order=False a batch that
         came first goes first), then hand it out:
-        SlotPool.rebuild(slot, handle) -> tensors viewing the slot (zero copy)  (_transport)
+        SlotPool.rebuild(slot, handle) -> tensors viewing the slot (zero copy)  (_caller_slots)
         WorkerFailure.reraise() -> the worker's exception, as its own type   (_protocol)
     EpochIterator: [pin, in its pin thread] -> [to(device) on a side stream] (_device); with a
         device and process workers, slots are page-locked and there is no pin thread
@@ -46,6 +46,7 @@ import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
 from ._backends import Backend, start
+from ._caller_slots import SlotPool
 from ._options import LoaderConfig
 from ._protocol import (
     BatchTimeoutError,
@@ -62,7 +63,6 @@ from ._registry import Payload
 from ._sizing import TASK_KEY_BYTES, TaskSizer, key_bytes
 from ._snapshot import Picture, first_difference, picture
 from ._task import Task
-from ._transport import SlotPool
 from ._tuning import Tuner
 
 __all__ = ["Collected", "Engine"]

@@ -19,8 +19,8 @@ from ._datapipes import begin_datapipe_epoch, is_datapipe
 from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
 from ._rows import load_rows
 from ._seed import derive_sample_seed
-from ._transport import SlotMaps, SlotSpace, pack_batch
 from ._tree import arrays_to_tensors
+from ._worker_slots import SlotMaps, SlotSpace, pack_batch
 from .batchify import build_planned, default_batchify_fn, plan_batch
 
 __all__ = ["BatchWriter", "Cursor", "DirectWriter", "Fetcher", "SharedMemoryWriter", "load_batch"]

@@ -24,8 +24,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ._math import round_up
-from ._transport import _ALIGN_BYTES, _HEADER_BYTES, Handle, SlotMaps, SlotSpace, _encode, _tensor_at
+from ._segment import ALIGN_BYTES, HEADER_BYTES, Handle, tensor_at
 from ._tree import Leaf, as_torch_dtype
+from ._worker_slots import SlotMaps, SlotSpace, encode
 from .batchify import _plan_scalars
 
 __all__ = ["load_rows"]
@@ -58,7 +59,7 @@ class _Layout:
             if type(field) is np.ndarray:
                 self.offsets[index] = total
                 self._fields[index] = (field.shape, field.dtype)
-                total += round_up(count * field.nbytes, _ALIGN_BYTES)
+                total += round_up(count * field.nbytes, ALIGN_BYTES)
             else:
                 self.numbers[index] = []
         self.array_bytes = total
@@ -145,9 +146,9 @@ def load_rows(load: Callable[[Any], Any], keys: list[Any], space: SlotSpace | No
     layout = _Layout(first, count)
     # Numbers take at most 16 bytes each (complex128); they go after the arrays. A batch that
     # does not fit (larger than any before) is batched the usual way and travels in its handle.
-    if layout.array_bytes + len(layout.numbers) * round_up(16 * count, _ALIGN_BYTES) > space.room:
+    if layout.array_bytes + len(layout.numbers) * round_up(16 * count, ALIGN_BYTES) > space.room:
         return None, [first]
-    layout.bind(maps.get(slot), _HEADER_BYTES + space.offset)
+    layout.bind(maps.get(slot), HEADER_BYTES + space.offset)
     layout.write(0, first)
     del first
     for row in range(1, count):
@@ -168,7 +169,7 @@ def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: A
     leaves: list[Leaf] = []
     total = layout.array_bytes
     memory = maps.get(slot)
-    start = _HEADER_BYTES + space.offset
+    start = HEADER_BYTES + space.offset
     for index in range(layout.width):
         if index in layout.arrays:
             view = layout.arrays[index]
@@ -177,8 +178,8 @@ def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: A
         else:
             leaf = _plan_scalars(layout.numbers[index], None)  # raises as the default batchify does
             offsets[id(leaf)] = total
-            leaf.fill(_tensor_at(memory, start + total, leaf.shape, leaf.dtype))
-            total += round_up(leaf.nbytes, _ALIGN_BYTES)
+            leaf.fill(tensor_at(memory, start + total, leaf.shape, leaf.dtype))
+            total += round_up(leaf.nbytes, ALIGN_BYTES)
         leaves.append(leaf)
     if layout.kind is np.ndarray:
         plan: Any = leaves[0]
@@ -188,4 +189,4 @@ def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: A
         plan = leaves  # the default batchify makes a list of any other sequence sample
     offset = space.offset
     space.offset += total
-    return (slot[2], offset, total, _encode(plan, lambda leaf: offsets[id(leaf)]), None)
+    return (slot[2], offset, total, encode(plan, lambda leaf: offsets[id(leaf)]), None)

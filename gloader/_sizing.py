@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._caller_slots import TASK_BYTES
 from ._mppool import ATOMIC_TASK_BYTES
 from ._protocol import Loaded
-from ._transport import TASK_BYTES
 
 __all__ = ["TASK_KEY_BYTES", "TaskSizer", "key_bytes"]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from ._caller_slots import SlotPool
 from ._protocol import Job, decode_answers
-from ._transport import Slot, SlotPool
+from ._segment import Slot
 
 __all__ = ["Task"]
 
@@ -14,7 +15,7 @@ __all__ = ["Task"]
 class Task:
     """Consecutive batches of one epoch dispatched as one task: their jobs, the slot lent to
     them, the task's result, and its batches' answers as they arrive: a process worker
-    publishes each in the slot as soon as its batch is written (see `_transport`), and sends
+    publishes each in the slot as soon as its batch is written (see `_segment`), and sends
     what did not fit there by message."""
 
     __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "arrivals", "parts", "done", "taken",

@@ -4,7 +4,7 @@ A *plan* is what a built-in batchify function returns before any memory is writt
 lists, tuples and dicts whose leaves are `Leaf` (shape, dtype and a function that fills a
 tensor of that shape) or `Opaque` (a value that travels as it is, e.g. a list of strings).
 Planning first lets a worker size its shared-memory slot and then write each byte once
-(see `_transport`). Runs in workers and in the caller's process.
+(see `_segment`). Runs in workers and in the caller's process.
 """
 from __future__ import annotations
 

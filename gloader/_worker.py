@@ -37,7 +37,8 @@ from ._mppool import is_retire_task, on_result_sent, on_task_taken, on_task_want
 from ._protocol import StreamRequest, WorkerFailure, encode, encode_answers
 from ._registry import Payload, Registration
 from ._seed import seed_global_rng
-from ._transport import Slot, SlotSpace, close_inherited_segments
+from ._segment import Slot
+from ._worker_slots import SlotSpace, close_inherited_segments
 
 __all__ = ["EXIT_CALLER_GONE", "PoolSpec", "StatusTable", "WorkerState", "execute", "initialize_process_worker",
            "initialize_thread_worker", "run_task"]
@@ -346,7 +347,7 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
 
     Returns:
         A list of answers, one per batch (`Loaded`, `ShardEnd` or `WorkerFailure`). Process
-        workers publish each answer in the slot as its batch is written (see `_transport`)
+        workers publish each answer in the slot as its batch is written (see `_worker_slots`)
         and return `encode_answers` bytes of (position, encoded answer) for those that did
         not fit there and were not sent before (see `_tell_caller`). A failed batch does not
         stop the others: each answer is re-raised when the caller reaches its batch.

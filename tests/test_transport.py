@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gloader import DataLoader, batchify
-from gloader._transport import SlotMaps, SlotPool, SlotSpace, pack_batch
+from gloader._caller_slots import SlotPool
+from gloader._worker_slots import SlotMaps, SlotSpace, pack_batch
 from gloader.batchify import plan_batch
 from tests import _data
 from tests.conftest import dev_shm_names, segment_sizes, wait_until
@@ -233,14 +234,14 @@ def test_forked_workers_do_not_keep_another_loaders_slots() -> None:
 
 
 def test_running_out_of_memory_is_an_error_naming_the_size_and_the_fix(monkeypatch) -> None:
-    from gloader import _transport
+    from gloader import _caller_slots
 
     def no_space(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     pool = SlotPool(max_spare=2, max_descriptors=4)
     pool.give_back(None, (0, 0, 4096, None, None))  # a batch of 4 KiB was seen
-    monkeypatch.setattr(_transport.os, "posix_fallocate", no_space)
+    monkeypatch.setattr(_caller_slots.os, "posix_fallocate", no_space)
     with pytest.raises(OSError, match=r"could not reserve .* MiB of shared memory for a batch .*lower prefetch or "
                                       r"batch_size"):
         pool.acquire()
@@ -429,7 +430,7 @@ def test_answers_published_in_a_slot_reach_the_caller_in_any_order_and_only_for_
 
 
 def test_a_record_not_yet_whole_is_not_taken_for_an_answer(slots) -> None:
-    from gloader import _transport
+    from gloader import _segment
 
     pool, maps = slots
     pool.give_back(None, (0, 0, 4096, None, None))
@@ -437,10 +438,10 @@ def test_a_record_not_yet_whole_is_not_taken_for_an_answer(slots) -> None:
     space = SlotSpace(slot)
     space.open(maps)
     assert space.publish(0, b"answer")
-    record_end = _transport._HEADER_BYTES + slot[3]
-    space.view[record_end - _transport._TRAILER.size - 8] ^= 0xFF  # as if its bytes were not all visible yet
+    record_end = _segment.HEADER_BYTES + slot[3]
+    space.view[record_end - _segment.TRAILER.size - 8] ^= 0xFF  # as if its bytes were not all visible yet
     assert pool.answers(slot) == []
-    space.view[record_end - _transport._TRAILER.size - 8] ^= 0xFF
+    space.view[record_end - _segment.TRAILER.size - 8] ^= 0xFF
     assert pool.answers(slot) == [(0, b"answer")]  # taken at the next look
     pool.give_back(slot, None)
     pool.give_back(slot, None)

@@ -1,45 +1,12 @@
-"""Shared-memory transport: the caller lends segments ("slots"), workers write batches into them.
+"""The caller's side of the shared-memory slots (the layout: `_segment`).
 
-Segments are anonymous memory files (`memfd_create`), never names in /dev/shm. The kernel
-frees one when the last process that maps it or holds its descriptor is gone, so no segment
-outlives the processes that could use it, however they end: a SIGKILL to the whole process
-group (`timeout`, Slurm, systemd, `kill -- -PGID`) leaves nothing behind. There is nothing to
-unlink, no name another user could guess or plant, and the size of /dev/shm (64 MiB in
-docker by default) does not bound the batches.
-
-Caller half: `SlotPool` creates every segment and owns it. It lends a free one, sized for
-the batches seen so far, with each dispatched batch; rebuilds the worker's handle into
-tensors that view the segment (no copy); and takes the slot back only when the last of those
-tensors is freed (a `weakref.finalize` on the batch's base array), so a batch the user keeps
-is never overwritten. Because the caller owns the memory, a worker that dies loses nothing
-the caller has been sent.
-
-Worker half: `SlotMaps` maps a lent slot through the caller's descriptor
-(/proc/PID/fd/FD, a process of the same user) the first time it sees it, and keeps it mapped
-across batches without a descriptor: its pages stay in the worker's page table, so the next
-batch is written without page faults. `pack_batch` writes a planned batch into the slot, after
-the batches of its task before it, and returns a small handle, `(token, offset, bytes used,
-encoded plan, None)`. Before the caller knows the batch size, it lends probe slots: large,
-not reserved ahead, only the pages written take memory, retired once used. A batch that does
-not fit (larger than any before) travels in the handle instead, as a bytearray; the caller
-then lends bigger slots.
-
-Each segment starts with a 64-byte header the caller writes: a random TOKEN, which the
-worker checks after mapping; RETIRED, set when the caller gives the segment up (surplus,
-too small, or the loader closed), after which workers unmap it; WRITTEN, set by the
-first worker that maps it (see _MADV_POPULATE_READ); WANTED, how many of the task's batches
-the caller waits to have (0: it is not waiting); and ANSWERS, how many answers the worker
-has published in the slot.
-
-A batch is the caller's as soon as it is written, not when its task ends: the worker writes
-each batch's answer (its handle and timings, encoded) into the slot too, from the slot's end
-down while batches fill it from the start up (`SlotSpace.publish`), and the caller reads the
-answers published so far whenever it looks (`SlotPool.answers`), even while the worker is
-deep in a slow batch after them. Each record ends with a trailer: its length, its batch's
-position in the task, which lending of the slot it belongs to (lent slots carry it) and a
-CRC-32 of all that, so that a record the caller sees before all of it is visible (a weakly
-ordered CPU) or one left from an earlier lending is never taken for an answer. An answer that does not fit goes with the task's result message. The whole flow is drawn in
-`_engine`.
+`SlotPool` creates every segment and owns it. It lends a free one, sized for the batches seen
+so far, with each dispatched batch; rebuilds the worker's handle into tensors that view the
+segment (no copy); and takes the slot back only when the last of those tensors is freed (a
+`weakref.finalize` on the batch's base array), so a batch the user keeps is never
+overwritten. Because the caller owns the memory, a worker that dies loses nothing the caller
+has been sent. It reads the answers workers publish in a slot (`SlotPool.answers`) whenever
+the engine looks. Runs in the caller's process.
 """
 from __future__ import annotations
 
@@ -50,45 +17,46 @@ import errno
 import math
 import mmap
 import os
-import struct
 import threading
 import weakref
 import zlib
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from ._math import round_up
-from ._protocol import SharedMemoryUnreachableError
-from ._tree import Leaf, Opaque
+from ._segment import (
+    ALIGN_BYTES,
+    ANSWER_BYTES,
+    ANSWERS,
+    HEADER_BYTES,
+    PROBE_BYTES,
+    RETIRED,
+    SEGMENT_NAME,
+    TOKEN,
+    TRAILER,
+    WANTED,
+    Handle,
+    Header,
+    Register,
+    Segment,
+    Slot,
+    c_library,
+    map_fd,
+    tensor_at,
+)
 
-__all__ = ["TASK_BYTES", "Handle", "SlotMaps", "SlotPool", "SlotSpace", "close_inherited_segments", "pack_batch"]
+__all__ = ["TASK_BYTES", "SlotPool"]
 
-# Leaves start on 64-byte boundaries: any dtype view is aligned, and no two leaves share a
-# cache line that two writers could contend on. The header takes the first 64 bytes.
-_ALIGN_BYTES = 64
-_HEADER_BYTES = 64
-_TOKEN, _RETIRED, _WRITTEN, _WANTED, _ANSWERS = 0, 1, 2, 3, 4
-# An answer record's trailer (see the module's docstring): length, position, lending, CRC-32.
-_TRAILER = struct.Struct("<IIII")
-# Room a slot has per batch for its answer beyond the batch's bytes (a handle and timings
-# take ~300 bytes; a larger answer, one carrying strings or an error, goes by message).
-_ANSWER_BYTES = 512
-_Header = ctypes.c_uint64 * (_HEADER_BYTES // 8)
+
 # A new slot gets this much room beyond the largest batch seen (in eighths), so that slowly
 # growing padded batches fit it instead of needing a new slot each time.
 _HEADROOM_EIGHTHS = 1
 _PAGE_BYTES = mmap.PAGESIZE
-# Size of a probe slot, lent with the first window's tasks before any batch size is known
-# (see SlotPool._lend_probe); only the pages a worker writes take memory. Larger: bigger
-# first batches avoid the pipe; smaller: less address space per probe. A batch larger
-# than this still travels in its handle.
-_PROBE_BYTES = 256 << 20
 # Probe slots a loader lends in all: the first window's, and a few more if that window
 # ends before the first batch comes back.
 _MAX_PROBES = 16
-_MADV_DONTFORK = 10  # linux/mman.h
 _MADV_REMOVE = 9  # frees a range of a shared memory file's pages, for every process that maps it
 # The batch bytes a task carries at most (the engine sizes tasks to it): what a slot for
 # several small batches needs, however many a task carried before.
@@ -99,73 +67,6 @@ _RECENT_SIZES = 64
 # A free slot more than this many times the size a new one would get now is retired as it
 # comes back, not lent again: one large batch does not size the slots that follow it.
 _OVERSIZED = 4
-# A worker maps all of a new slot's pages at once rather than faulting them in one by one
-# (Linux 5.14+; elsewhere the call fails and nothing changes): the first writer with
-# POPULATE_WRITE, the others with POPULATE_READ (docs/design.md, "Batches through reused
-# shared memory"). Not for probes: only the pages written take memory.
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
-_SEGMENT_NAME = "gloader"
-# A mapped segment: a ctypes byte array over the mapping (see _map_fd).
-Segment = Any
-# A written batch as it travels back (see pack_batch): (token of the slot it is in, or 0 when
-# it travels inline; its offset in the slot; its bytes; its encoded plan; its bytes when
-# inline, else None). A plain tuple, not a NamedTuple: pickling one took 1.5 us more a batch,
-# and unpickling 1.4 us more. Read it by unpacking, never by index.
-Handle = tuple[int, int, int, Any, "bytearray | None"]
-# What the caller lends with a task: (caller pid, fd, token, capacity, lending). A slot is
-# lent again and again; its lending tells one task's use of it from the next one's.
-Slot = tuple[int, int, int, int, int]
-
-_LIBC: Any = None
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        _LIBC = libc
-    return _LIBC
-
-
-# Registers a mapping with a device (address, bytes) so that copies from it need no staging;
-# returns what undoes that (called before the mapping goes), or None where it did not register.
-Register = Callable[[int, int], Callable[[], None] | None]
-
-
-def _unmap(address: int, size: int, unregister: Callable[[], None] | None) -> None:
-    if unregister is not None:
-        unregister()
-    _libc().munmap(address, size)
-
-
-def _map_fd(fd: int, size: int, register: Register | None = None) -> Segment:
-    """Map `size` bytes of `fd` shared, keeping no file descriptor.
-
-    Python's mmap.mmap duplicates the descriptor and keeps it while mapped: one fd per batch
-    the caller holds, so ~1,000 held batches hit the usual `ulimit -n 1024`. Mapped here with
-    libc's mmap, the segment is a ctypes byte array over the mapping, unmapped when it and
-    every numpy/torch view of it are freed (views keep it alive through their base), so
-    dropping our own reference is all that releasing a mapping takes.
-    """
-    libc = _libc()
-    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if address is None or address == _MAP_FAILED:
-        code = ctypes.get_errno()
-        raise OSError(code, f"mapping {size} bytes of shared memory failed: {os.strerror(code)}")
-    # A process forked later (a replacement worker under fork, a subprocess of the dataset)
-    # must not inherit the mapping: it would keep the memory of batches long dropped.
-    libc.madvise(address, size, _MADV_DONTFORK)
-    segment = (ctypes.c_ubyte * size).from_address(address)
-    unregister = register(address, size) if register is not None else None
-    weakref.finalize(segment, _unmap, address, size, unregister).atexit = False  # views may outlive exit hooks
-    return segment
 
 
 def _out_of_memory(needed: int, exc: OSError) -> OSError:
@@ -178,7 +79,7 @@ def _create_segment(size: int, reserve: bool = True, register: Register | None =
     """A new anonymous segment of `size` bytes: (its descriptor, its mapping). Unless
     `reserve` is False (a probe slot), its pages are reserved at once; `register` is given
     the mapping (see Register)."""
-    fd = os.memfd_create(_SEGMENT_NAME, os.MFD_CLOEXEC)
+    fd = os.memfd_create(SEGMENT_NAME, os.MFD_CLOEXEC)
     try:
         # Reserve the pages now: running out of memory then fails here with an error instead
         # of killing a writer with SIGBUS on its first touch of an unbacked page.
@@ -191,233 +92,10 @@ def _create_segment(size: int, reserve: bool = True, register: Register | None =
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise _out_of_memory(size, exc) from exc
             raise
-        return fd, _map_fd(fd, size, register)
+        return fd, map_fd(fd, size, register)
     except BaseException:
         os.close(fd)
         raise
-
-
-def close_inherited_segments() -> int:
-    """Close the descriptors of the caller's segments that a forked worker inherited (they
-    would keep retired segments' memory alive for the worker's life); return how many."""
-    closed = 0
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{entry}").startswith(f"/memfd:{_SEGMENT_NAME} "):
-                os.close(int(entry))
-                closed += 1
-        except OSError:
-            pass
-    return closed
-
-
-class SlotMaps:
-    """Worker-side mappings of lent slots, kept across batches (least recently used out).
-
-    Args:
-        max_maps: how many slots stay mapped. Larger: fewer re-maps when many slots
-            circulate; smaller: fewer mappings to check when pruning.
-    """
-
-    def __init__(self, max_maps: int) -> None:
-        self._max_maps = max_maps
-        self._maps: collections.OrderedDict[int, tuple[Segment, Any]] = collections.OrderedDict()
-
-    def get(self, slot: Slot) -> Segment:
-        pid, fd, token, capacity, _ = slot
-        found = self._maps.get(token)
-        if found is not None:
-            self._maps.move_to_end(token)
-            return found[0]
-        path = f"/proc/{pid}/fd/{fd}"
-        try:
-            local = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except PermissionError as exc:
-            raise SharedMemoryUnreachableError(
-                f"gloader's worker processes cannot open {path}, the shared memory their caller (pid {pid}) lends "
-                "them: the caller is not dumpable (prctl(PR_SET_DUMPABLE, 0), or a setuid or setgid program), the "
-                "workers run as another user, or a security module forbids it; keep the caller dumpable and the "
-                "workers its own user, or use thread_pool=True or num_workers=0") from exc
-        try:
-            # The caller may have retired the slot before this worker opened it (a task discarded
-            # after a death) and reused its descriptor number for another, smaller file: mapping
-            # past that file's end and reading the header would end this worker with SIGBUS.
-            if os.fstat(local).st_size < _HEADER_BYTES + capacity:
-                raise RuntimeError(f"{path} is not the slot gloader's caller (pid {pid}) lent (smaller than it)")
-            segment = _map_fd(local, _HEADER_BYTES + capacity)
-        finally:
-            os.close(local)
-        header = _Header.from_buffer(segment)
-        if header[_TOKEN] != token:
-            raise RuntimeError(f"{path} is not the slot gloader's caller (pid {pid}) lent (token mismatch)")
-        if capacity == _PROBE_BYTES - _HEADER_BYTES:  # a probe is lent once: not kept mapped (a slot of
-            return segment  # exactly that size is only mapped again each time)
-        advice = _MADV_POPULATE_READ if header[_WRITTEN] else _MADV_POPULATE_WRITE
-        header[_WRITTEN] = 1
-        _libc().madvise(ctypes.addressof(segment), _HEADER_BYTES + capacity, advice)
-        self._maps[token] = (segment, header)
-        while len(self._maps) > self._max_maps:
-            self._maps.popitem(last=False)
-        return segment
-
-    def prune(self) -> int:
-        """Unmap slots the caller retired (only our mapping still holds their memory);
-        return how many."""
-        gone = [token for token, (_, header) in self._maps.items() if header[_RETIRED]]
-        for token in gone:
-            del self._maps[token]  # unmapped once no view of it is left (see _map_fd)
-        return len(gone)
-
-    def close(self) -> None:
-        self._maps.clear()
-
-    def __len__(self) -> int:
-        return len(self._maps)
-
-
-def _encode(plan: Any, offset_of: Callable[[Leaf], int]) -> Any:
-    """Describe a plan as plain tuples: ('t', offset, shape, dtype), ('o', value), containers
-    ('L' list, 'T' tuple, 'N' namedtuple with its class, 'D' dict). `offset_of(leaf)` gives
-    each leaf's byte offset; leaves are visited in `iter_leaves` order."""
-    if isinstance(plan, Leaf):
-        return ("t", offset_of(plan), plan.shape, str(plan.dtype)[6:])
-    if isinstance(plan, Opaque):
-        return ("o", plan.value)
-    if isinstance(plan, list):
-        return ("L", [_encode(item, offset_of) for item in plan])
-    if isinstance(plan, tuple):
-        if hasattr(plan, "_fields"):  # a namedtuple: its class travels by reference
-            return ("N", type(plan), [_encode(item, offset_of) for item in plan])
-        return ("T", [_encode(item, offset_of) for item in plan])
-    return ("D", [(key, _encode(item, offset_of)) for key, item in plan.items()])
-
-
-class _Placement:
-    """Leaves placed one after the other, each at a multiple of _ALIGN_BYTES, in the order
-    `_encode` visits them: describing a plan and laying it out is one pass."""
-
-    __slots__ = ("placed", "total")
-
-    def __init__(self) -> None:
-        self.placed: list[tuple[Leaf, int]] = []
-        self.total = 0
-
-    def place(self, leaf: Leaf) -> int:
-        offset = self.total
-        self.placed.append((leaf, offset))
-        self.total = offset + round_up(leaf.nbytes, _ALIGN_BYTES)
-        return offset
-
-
-class SlotSpace:
-    """A lent slot as one task fills it (worker side): batches from the start up, each one after
-    the one before, and their answers from the end down (`publish`)."""
-
-    __slots__ = ("slot", "offset", "limit", "view", "header", "published")
-
-    def __init__(self, slot: Slot | None) -> None:
-        self.slot = slot
-        self.offset = 0  # where the next batch starts, after the header
-        self.limit = slot[3] if slot is not None else 0  # where the answers published so far start
-        self.view: memoryview | None = None  # the slot's bytes, once mapped (`open`)
-        self.header: Any = None
-        self.published = 0
-
-    @property
-    def room(self) -> int:
-        """Bytes left for batches."""
-        return self.limit - self.offset
-
-    def open(self, maps: SlotMaps) -> None:
-        """Map the slot (if one was lent), so that answers can be published in it."""
-        if self.slot is not None and self.view is None:
-            segment = maps.get(self.slot)
-            self.view = memoryview(segment).cast("B")
-            self.header = _Header.from_buffer(segment)
-
-    def wanted(self) -> int:
-        """How many of the task's batches the caller waits to have (0: it does not wait)."""
-        return int(self.header[_WANTED]) if self.header is not None else 0
-
-    def publish(self, position: int, answer: bytes) -> bool:
-        """Write the answer of the task's batch at `position` into the slot, where the caller
-        reads it at once (see the module's docstring); False when it does not fit."""
-        view = self.view
-        size = len(answer)
-        need = round_up(size, 8) + _TRAILER.size
-        if view is None or need > self.room:
-            return False
-        end = _HEADER_BYTES + self.limit
-        start = end - need
-        view[start:start + size] = answer
-        lend = self.slot[4] & 0xFFFFFFFF  # type: ignore[index]
-        check = zlib.crc32(_TRAILER.pack(size, position, lend, 0), zlib.crc32(answer))
-        _TRAILER.pack_into(view, end - _TRAILER.size, size, position, lend, check)
-        self.limit -= need
-        self.published += 1
-        self.header[_ANSWERS] = self.published  # last: the record is whole before it counts
-        return True
-
-
-def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> Handle:
-    """Write a planned batch into the lent slot, after the task's batches before it, and
-    return its handle.
-
-    Returns `(token, offset, bytes used, encoded plan, None)`; when the batch needs no memory
-    or does not fit what is left of the slot, token is 0 and the last field holds the
-    batch's bytes (a bytearray, None when empty).
-    """
-    placement = _Placement()
-    encoded = _encode(plan, placement.place)
-    total = placement.total
-    if total == 0:  # nothing to write (no tensors, or only empty ones): no memory needed
-        for leaf, _ in placement.placed:
-            leaf.fill(torch.empty(leaf.shape, dtype=leaf.dtype))
-        return (0, 0, 0, encoded, None)
-    inline: bytearray | None = None
-    slot = space.slot if space is not None else None
-    offset = space.offset if space is not None else 0
-    if space is not None and slot is not None and total <= space.room:
-        memory: Any = maps.get(slot)
-        start_at = _HEADER_BYTES + offset
-        space.offset += total  # a multiple of _ALIGN_BYTES: the next batch starts aligned
-    else:  # larger than any batch before (or no slot lent): the batch travels in the handle
-        memory = inline = bytearray(total)
-        start_at = offset = 0
-    for leaf, at in placement.placed:
-        out = _tensor_at(memory, start_at + at, leaf.shape, leaf.dtype)
-        leaf.fill(out)
-        del out
-    token = slot[2] if inline is None and slot is not None else 0
-    return (token, offset, total, encoded, inline)
-
-
-_TWINS: dict[torch.dtype, np.dtype[Any] | None] = {}
-
-
-def _numpy_twin(dtype: torch.dtype) -> np.dtype[Any] | None:
-    """numpy's dtype for a torch dtype; None where numpy has none (bfloat16)."""
-    try:
-        return _TWINS[dtype]
-    except KeyError:
-        pass
-    try:
-        twin: np.dtype[Any] | None = torch.empty(0, dtype=dtype).numpy().dtype
-    except TypeError:
-        twin = None
-    _TWINS[dtype] = twin
-    return twin
-
-
-def _tensor_at(buffer: Any, start: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of `shape` and `dtype` viewing `buffer` (bytes-like or a uint8 array) from byte
-    `start`: one numpy view made in one call, then one tensor, ~3x faster than torch slicing
-    and views; a dtype numpy lacks (bfloat16) is viewed as bytes and reinterpreted by torch."""
-    twin = _numpy_twin(dtype)
-    if twin is not None:
-        return torch.from_numpy(np.ndarray(shape, twin, buffer, start))
-    nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.frombuffer(buffer, np.uint8, nbytes, start)).view(dtype).view(shape)
 
 
 _DTYPES: dict[str, torch.dtype] = {}
@@ -437,7 +115,7 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
         dtype = _dtype(dtype_name)
         if math.prod(shape) == 0:  # holds no bytes: need not keep the slot taken
             return torch.empty(shape, dtype=dtype)
-        return _tensor_at(base, start, shape, dtype)
+        return tensor_at(base, start, shape, dtype)
     if kind == "o":
         return spec[1]
     if kind == "L":
@@ -460,7 +138,7 @@ def _used_bytes(slot: _Lendable) -> int:
         return len(slot.segment)
     pages = -(-len(slot.segment) // _PAGE_BYTES)
     present = np.zeros(pages, dtype=np.uint8)
-    if _libc().mincore(ctypes.addressof(slot.segment), len(slot.segment), present.ctypes.data) != 0:
+    if c_library().mincore(ctypes.addressof(slot.segment), len(slot.segment), present.ctypes.data) != 0:
         return len(slot.segment)
     return int(np.count_nonzero(present & 1)) * _PAGE_BYTES
 
@@ -469,12 +147,13 @@ class _Lendable:
     __slots__ = ("segment", "header", "token", "capacity", "fd", "pending", "probe", "holes", "lent", "collected",
                  "extent", "released", "tail_given", "lendings", "answers_read", "answers_end")
 
+
     def __init__(self, fd: int, segment: Segment) -> None:
         self.segment = segment
-        self.header = _Header.from_buffer(segment)
+        self.header = Header.from_buffer(segment)
         self.token = int.from_bytes(os.urandom(8), "little") | 1  # never 0: 0 means "no slot"
-        self.header[_TOKEN] = self.token
-        self.capacity = len(segment) - _HEADER_BYTES
+        self.header[TOKEN] = self.token
+        self.capacity = len(segment) - HEADER_BYTES
         self.fd = fd
         self.pending = 0  # batches lent with it that are not back yet (see SlotPool.release)
         self.probe = False  # lent before any batch size was known (see SlotPool.acquire)
@@ -487,22 +166,19 @@ class _Lendable:
         self.lendings = 0  # times lent (the header's LEND)
         self.answers_read = 0  # answer records of this lending read by the caller (see SlotPool.answers)
         self.answers_end = len(segment)  # where the next record to read ends
-
     def punch(self, start: int, end: int) -> None:
         """Give back the memory of bytes [start, end) of the segment (whole pages inside it),
         for every process that maps it; what is written there later takes new pages."""
         first, last = round_up(start, _PAGE_BYTES), end // _PAGE_BYTES * _PAGE_BYTES
         if last > first:
-            _libc().madvise(ctypes.addressof(self.segment) + first, last - first, _MADV_REMOVE)
+            c_library().madvise(ctypes.addressof(self.segment) + first, last - first, _MADV_REMOVE)
             self.holes = True
-
     def close_fd(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
     def retire(self) -> None:
-        self.header[_RETIRED] = 1
+        self.header[RETIRED] = 1
         self.close_fd()
 
 
@@ -520,8 +196,8 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class SlotPool:
     """Caller-side owner of a loader's shared-memory segments ("slots").
 
-    Thread-safe: slots are released from whichever thread drops the last view.
 
+    Thread-safe: slots are released from whichever thread drops the last view.
     Args:
         max_spare: free slots kept for reuse; a slot released beyond that is retired.
             Larger: fewer new slots when the user holds batches in bursts; smaller: less
@@ -533,7 +209,6 @@ class SlotPool:
             memory), e.g. to page-lock it for a CUDA device so batches are copied to the device
             straight from the slot. Undone just before the mapping goes.
     """
-
     def __init__(self, max_spare: int, max_descriptors: int, register: Register | None = None) -> None:
         self._register = register
         self._max_spare = max_spare
@@ -557,7 +232,6 @@ class SlotPool:
         self._closed = False
         self._pid = os.getpid()
         self.segments_created = 0
-
     def acquire(self, batches: int = 1, most: int = 1) -> Slot | None:
         """Lend a slot for `batches` batches about to be dispatched as one task (a probe slot
         until a batch's size is known; None once the probes are spent or the pool is closed).
@@ -572,9 +246,9 @@ class SlotPool:
             # What the task's batches need: each as large as most recent ones (7 in 8); a task of
             # one batch, room for the largest recent one too. An odd larger batch among many small
             # ones travels in its handle rather than size every slot of the window.
-            needed = batches * (self._typical() + _ANSWER_BYTES)
+            needed = batches * (self._typical() + ANSWER_BYTES)
             if batches == 1:
-                needed = max(needed, round_up(self._sizes[-1], _ALIGN_BYTES))
+                needed = max(needed, round_up(self._sizes[-1], ALIGN_BYTES))
             self._most_batches = max(self._most_batches, batches, most)
             room = max(needed, self._room())
             for unfit in [free for free in self._free if free.capacity > _OVERSIZED * room]:
@@ -587,43 +261,38 @@ class SlotPool:
             for small in list(self._free):  # all smaller than what is coming: replaced by bigger ones
                 self._free.remove(small)
                 self._retire(small)
-        size = round_up(_HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
+        size = round_up(HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
         made = _Lendable(*_create_segment(size, register=self._register))
         with self._lock:
             return self._adopt(made, batches)
-
     def _room(self) -> int:
         """What a slot needs now (call holding the lock): room for the most batches a task
         carries, which the engine keeps within TASK_BYTES unless one batch alone is larger, so
         an earlier task's count of small batches does not multiply a large one (a task of one
         large batch asks for its size in `acquire`)."""
         return max(self._typical(), min(self._most_batches * self._typical(), TASK_BYTES)) + \
-            self._most_batches * _ANSWER_BYTES
-
+            self._most_batches * ANSWER_BYTES
     def _typical(self) -> int:
         """A batch size that most recent batches do not exceed (7 in 8 of them; call holding
         the lock), aligned as batches are placed."""
-        return round_up(self._sizes[len(self._sizes) * 7 // 8], _ALIGN_BYTES) if self._sizes else 0
-
+        return round_up(self._sizes[len(self._sizes) * 7 // 8], ALIGN_BYTES) if self._sizes else 0
     def _lend_probe(self, batches: int) -> Slot | None:
         """A slot for the first window, before any batch's size is known (call holding the
-        lock). Its size is a guess, _PROBE_BYTES of which only the pages written are used,
+        lock). Its size is a guess, PROBE_BYTES of which only the pages written are used,
         and it is not reserved ahead; without it those batches would cross the result pipe
         inside their handles (~50 ms for a 9.6 MB batch). Retired once its batches are back."""
         if self._probes >= _MAX_PROBES:
             return None
-        made = _Lendable(*_create_segment(_PROBE_BYTES, reserve=False))
+        made = _Lendable(*_create_segment(PROBE_BYTES, reserve=False))
         made.probe = True
         self._probes += 1
         return self._adopt(made, batches)
-
     def _adopt(self, made: _Lendable, batches: int) -> Slot:
         """Own a new slot and lend it (call holding the lock)."""
         self._slots[made.token] = made
         self._descriptors += 1
         self.segments_created += 1
         return self._lend(made, batches)
-
     def _lend(self, lent: _Lendable, batches: int) -> Slot:
         if lent.holes and not lent.probe:  # reserved again, so a writer meets no unbacked page
             try:
@@ -634,25 +303,22 @@ class SlotPool:
                 raise
             lent.holes = False
         lent.pending = lent.lent = batches
-        lent.collected, lent.extent, lent.released, lent.tail_given = 0, _HEADER_BYTES, [], False
+        lent.collected, lent.extent, lent.released, lent.tail_given = 0, HEADER_BYTES, [], False
         lent.lendings += 1
         lent.answers_read, lent.answers_end = 0, len(lent.segment)
-        lent.header[_WANTED], lent.header[_ANSWERS] = 0, 0
+        lent.header[WANTED], lent.header[ANSWERS] = 0, 0
         return (self._pid, lent.fd, lent.token, lent.capacity, lent.lendings)
-
     def _lent_now(self, slot: Slot | None) -> _Lendable | None:
         """The slot as lent with `slot` (None: retired, or lent again since; call holding the lock)."""
         lent = self._slots.get(slot[2]) if slot is not None else None
         return lent if lent is not None and lent.lendings == slot[4] else None  # type: ignore[index]
-
     def want(self, slot: Slot | None, count: int) -> None:
         """Tell the worker loading the task lent `slot` that the caller waits to have `count`
         of its batches: it says so as soon as that many are in (see `answers`)."""
         with self._lock:
             lent = self._lent_now(slot)
             if lent is not None:
-                lent.header[_WANTED] = count
-
+                lent.header[WANTED] = count
     def answers(self, slot: Slot | None) -> list[tuple[int, bytes]]:
         """The answers the worker has published in `slot` since the last call, as (position in
         the task, encoded answer); none once the slot is retired or lent again."""
@@ -663,20 +329,19 @@ class SlotPool:
                 return found
             view = memoryview(lent.segment).cast("B")
             lend = lent.lendings & 0xFFFFFFFF
-            while lent.answers_read < lent.header[_ANSWERS]:
+            while lent.answers_read < lent.header[ANSWERS]:
                 end = lent.answers_end
-                size, position, record_lend, check = _TRAILER.unpack_from(view, end - _TRAILER.size)
-                start = end - _TRAILER.size - round_up(size, 8)
-                if record_lend != lend or start < _HEADER_BYTES:
+                size, position, record_lend, check = TRAILER.unpack_from(view, end - TRAILER.size)
+                start = end - TRAILER.size - round_up(size, 8)
+                if record_lend != lend or start < HEADER_BYTES:
                     break  # not all of it is visible yet: the next look takes it
                 answer = bytes(view[start:start + size])
-                if zlib.crc32(_TRAILER.pack(size, position, record_lend, 0), zlib.crc32(answer)) != check:
+                if zlib.crc32(TRAILER.pack(size, position, record_lend, 0), zlib.crc32(answer)) != check:
                     break
                 found.append((position, answer))
                 lent.answers_read += 1
                 lent.answers_end = start
         return found
-
     def rebuild(self, slot: Slot | None, handle: Handle) -> Any:
         """Turn a handle into the batch. Tensors view the slot when the batch was written
         into it, and the slot stays taken until the last of them is freed."""
@@ -686,7 +351,7 @@ class SlotPool:
             self.give_back(slot, None)
             return _decode(spec, np.frombuffer(inline, dtype=np.uint8) if inline is not None
                            else np.empty(0, dtype=np.uint8))
-        start = _HEADER_BYTES + offset
+        start = HEADER_BYTES + offset
         with self._lock:
             lent = self._slots[token]
             if self._descriptors > self._max_descriptors and lent.fd >= 0:  # see the class: retired when released
@@ -698,7 +363,6 @@ class SlotPool:
         release = weakref.finalize(base, self.release, token, start, start + total)
         release.atexit = False
         return batch
-
     def give_back(self, slot: Slot | None, handle: Handle | None) -> None:
         """Take back a batch's share of its slot when the batch will never be rebuilt (failed
         or discarded)."""
@@ -708,14 +372,13 @@ class SlotPool:
         if slot is not None:
             start = end = 0
             if handle is not None and token == slot[2]:  # its bytes are in the slot
-                start = _HEADER_BYTES + offset
+                start = HEADER_BYTES + offset
                 end = start + total
             with self._lock:
                 lent = self._slots.get(slot[2])
                 if lent is not None:
                     self._collected(lent, end)
             self.release(slot[2], start, end)
-
     def release(self, token: int, start: int = 0, end: int = 0) -> None:
         """One batch lent with the slot is back (its bytes were [start, end) of the slot);
         after the last, return the slot to the free list, or retire it (closed, in surplus,
@@ -740,14 +403,12 @@ class SlotPool:
                 self._retire(lent)
             else:
                 self._free.append(lent)
-
     def _collected(self, lent: _Lendable, end: int) -> None:
         """One batch of the slot's task reached the caller (call holding the lock)."""
         lent.collected += 1
         lent.extent = max(lent.extent, end)
         if lent.collected == lent.lent and lent.holes:  # its extent is final: the rest can go too
             self._to_punch.append(lent.token)
-
     def _punch_if_holding(self) -> None:
         """Give back the pages of freed batches, and the unused rest of slots whose task is
         all collected, once the caller holds more slots than a loop does (call holding the lock)."""
@@ -763,18 +424,15 @@ class SlotPool:
             if lent.collected == lent.lent and not lent.tail_given:
                 lent.punch(lent.extent, len(lent.segment))
                 lent.tail_given = True
-
     def in_use_bytes(self) -> int:
         """Bytes of shared memory this loader's slots hold in memory (free slots included: the
         pages written and not given back)."""
         with self._lock:
             return sum(map(_used_bytes, self._slots.values()))
-
     def capacity_bytes(self) -> int:
         """Bytes of shared memory this loader's slots have mapped, written or not."""
         with self._lock:
             return sum(len(slot.segment) for slot in self._slots.values())
-
     def close(self) -> None:
         """Retire every slot; batches the user still holds stay valid until freed."""
         with self._lock:
@@ -783,15 +441,13 @@ class SlotPool:
                 self._retire(slot)
             self._free = []
             self._to_punch.clear()
-
     def _retire(self, slot: _Lendable) -> None:
         if slot.pending <= 0 and self._punchable:  # no batch of it is held: its memory goes now,
             slot.punch(_PAGE_BYTES, len(slot.segment))  # however long workers keep it mapped (the header stays)
         if slot.fd >= 0:
             self._descriptors -= 1
         slot.retire()
-        del self._slots[slot.token]  # unmapped once no view of it is left (see _map_fd)
-
+        del self._slots[slot.token]  # unmapped once no view of it is left (see map_fd)
     def _note_size(self, total: int) -> None:
         with self._lock:
             if len(self._recent) == self._recent.maxlen:

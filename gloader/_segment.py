@@ -1,0 +1,150 @@
+"""Shared-memory segments ("slots"), as both sides see them: the caller lends them, workers
+write batches into them (`_caller_slots`, `_worker_slots`).
+
+Segments are anonymous memory files (`memfd_create`), never names in /dev/shm. The kernel
+frees one when the last process that maps it or holds its descriptor is gone, so no segment
+outlives the processes that could use it, however they end: a SIGKILL to the whole process
+group (`timeout`, Slurm, systemd, `kill -- -PGID`) leaves nothing behind. There is nothing to
+unlink, no name another user could guess or plant, and the size of /dev/shm (64 MiB in
+docker by default) does not bound the batches.
+
+Each segment starts with a 64-byte header the caller writes: a random TOKEN, which the
+worker checks after mapping; RETIRED, set when the caller gives the segment up (surplus,
+too small, or the loader closed), after which workers unmap it; WRITTEN, set by the
+first worker that maps it (see `_worker_slots`); WANTED, how many of the task's batches
+the caller waits to have (0: it is not waiting); and ANSWERS, how many answers the worker
+has published in the slot.
+
+A batch is the caller's as soon as it is written, not when its task ends: the worker writes
+each batch's answer (its handle and timings, encoded) into the slot too, from the slot's end
+down while batches fill it from the start up (`SlotSpace.publish`), and the caller reads the
+answers published so far whenever it looks (`SlotPool.answers`), even while the worker is
+deep in a slow batch after them. Each record ends with a TRAILER: its length, its batch's
+position in the task, which lending of the slot it belongs to (lent slots carry it) and a
+CRC-32 of all that, so that a record the caller sees before all of it is visible (a weakly
+ordered CPU) or one left from an earlier lending is never taken for an answer. An answer that
+does not fit goes with the task's result message. The whole flow is drawn in `_engine`.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import struct
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+__all__ = ["ALIGN_BYTES", "ANSWERS", "ANSWER_BYTES", "HEADER_BYTES", "Handle", "Header", "PROBE_BYTES", "RETIRED",
+           "Register", "SEGMENT_NAME", "Segment", "Slot", "TOKEN", "TRAILER", "WANTED", "WRITTEN", "c_library", "map_fd",
+           "tensor_at"]
+
+
+# Leaves start on 64-byte boundaries: any dtype view is aligned, and no two leaves share a
+# cache line that two writers could contend on. The header takes the first 64 bytes.
+ALIGN_BYTES = 64
+HEADER_BYTES = 64
+TOKEN, RETIRED, WRITTEN, WANTED, ANSWERS = 0, 1, 2, 3, 4
+# An answer record's trailer (see the module's docstring): length, position, lending, CRC-32.
+TRAILER = struct.Struct("<IIII")
+# Room a slot has per batch for its answer beyond the batch's bytes (a handle and timings
+# take ~300 bytes; a larger answer, one carrying strings or an error, goes by message).
+ANSWER_BYTES = 512
+Header = ctypes.c_uint64 * (HEADER_BYTES // 8)
+# Size of a probe slot, lent with the first window's tasks before any batch size is known
+# (see SlotPool._lend_probe); only the pages a worker writes take memory. Larger: bigger
+# first batches avoid the pipe; smaller: less address space per probe. A batch larger
+# than this still travels in its handle.
+PROBE_BYTES = 256 << 20
+_MADV_DONTFORK = 10  # linux/mman.h
+SEGMENT_NAME = "gloader"
+# A mapped segment: a ctypes byte array over the mapping (see map_fd).
+Segment = Any
+# A written batch as it travels back (see pack_batch): (token of the slot it is in, or 0 when
+# it travels inline; its offset in the slot; its bytes; its encoded plan; its bytes when
+# inline, else None). A plain tuple, not a NamedTuple: pickling one took 1.5 us more a batch,
+# and unpickling 1.4 us more. Read it by unpacking, never by index.
+Handle = tuple[int, int, int, Any, "bytearray | None"]
+# What the caller lends with a task: (caller pid, fd, token, capacity, lending). A slot is
+# lent again and again; its lending tells one task's use of it from the next one's.
+Slot = tuple[int, int, int, int, int]
+_LIBC: Any = None
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def c_library() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        _LIBC = libc
+    return _LIBC
+
+
+# Registers a mapping with a device (address, bytes) so that copies from it need no staging;
+# returns what undoes that (called before the mapping goes), or None where it did not register.
+Register = Callable[[int, int], Callable[[], None] | None]
+
+
+def _unmap(address: int, size: int, unregister: Callable[[], None] | None) -> None:
+    if unregister is not None:
+        unregister()
+    c_library().munmap(address, size)
+
+
+def map_fd(fd: int, size: int, register: Register | None = None) -> Segment:
+    """Map `size` bytes of `fd` shared, keeping no file descriptor.
+
+
+    Python's mmap.mmap duplicates the descriptor and keeps it while mapped: one fd per batch
+    the caller holds, so ~1,000 held batches hit the usual `ulimit -n 1024`. Mapped here with
+    libc's mmap, the segment is a ctypes byte array over the mapping, unmapped when it and
+    every numpy/torch view of it are freed (views keep it alive through their base), so
+    dropping our own reference is all that releasing a mapping takes.
+    """
+    libc = c_library()
+    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mapping {size} bytes of shared memory failed: {os.strerror(code)}")
+    # A process forked later (a replacement worker under fork, a subprocess of the dataset)
+    # must not inherit the mapping: it would keep the memory of batches long dropped.
+    libc.madvise(address, size, _MADV_DONTFORK)
+    segment = (ctypes.c_ubyte * size).from_address(address)
+    unregister = register(address, size) if register is not None else None
+    weakref.finalize(segment, _unmap, address, size, unregister).atexit = False  # views may outlive exit hooks
+    return segment
+_TWINS: dict[torch.dtype, np.dtype[Any] | None] = {}
+
+
+def _numpy_twin(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """numpy's dtype for a torch dtype; None where numpy has none (bfloat16)."""
+    try:
+        return _TWINS[dtype]
+    except KeyError:
+        pass
+    try:
+        twin: np.dtype[Any] | None = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        twin = None
+    _TWINS[dtype] = twin
+    return twin
+
+
+def tensor_at(buffer: Any, start: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` viewing `buffer` (bytes-like or a uint8 array) from byte
+    `start`: one numpy view made in one call, then one tensor, ~3x faster than torch slicing
+    and views; a dtype numpy lacks (bfloat16) is viewed as bytes and reinterpreted by torch."""
+    twin = _numpy_twin(dtype)
+    if twin is not None:
+        return torch.from_numpy(np.ndarray(shape, twin, buffer, start))
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.frombuffer(buffer, np.uint8, nbytes, start)).view(dtype).view(shape)
