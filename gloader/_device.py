@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ._tree import map_structure, map_tensors
+from ._waits import ctrl_c_as_itself
 
 __all__ = ["DEVICE_STAGE_HOLDS", "PIN_THREAD_HOLDS", "DevicePipeline", "PinThread", "pin_batch", "register_for_device",
            "warn_if_cannot_pin"]
@@ -215,7 +216,8 @@ class PinThread:
         waited = 0.0
         while True:
             try:
-                item = self._queue.get(timeout=_PIN_POLL_S)
+                with ctrl_c_as_itself():
+                    item = self._queue.get(timeout=_PIN_POLL_S)
                 break
             except queue.Empty:
                 waited += _PIN_POLL_S

@@ -64,6 +64,7 @@ from ._sizing import TASK_KEY_BYTES, TaskSizer, key_bytes
 from ._snapshot import Picture, first_difference, picture
 from ._task import Task
 from ._tuning import Tuner
+from ._waits import ctrl_c_as_itself
 
 __all__ = ["Collected", "Engine"]
 
@@ -470,7 +471,8 @@ class Engine:
         def drain(timeout_s: float) -> None:  # leaving a shared pool: let our tasks finish first
             deadline = time.monotonic() + timeout_s
             for task in self._discarded:
-                task.result.wait(max(0.0, deadline - time.monotonic()))
+                with ctrl_c_as_itself():
+                    task.result.wait(max(0.0, deadline - time.monotonic()))
             for task in self._discarded:  # what did not finish by now never will (a dead worker's)
                 if not task.result.ready():
                     backend.forget(task.result)

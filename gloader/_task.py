@@ -8,6 +8,7 @@ from typing import Any, Callable
 from ._caller_slots import SlotPool
 from ._protocol import Job, decode_answers
 from ._segment import Slot
+from ._waits import ctrl_c_as_itself
 
 __all__ = ["Task"]
 
@@ -97,13 +98,15 @@ class Task:
         has just looked: `receive`)."""
         progress = getattr(self.result, "progress", None)
         if progress is None:
-            self.result.wait(timeout_s)
+            with ctrl_c_as_itself():
+                self.result.wait(timeout_s)
         else:
             progress.clear()  # then one more look: what came meanwhile set it before the clear
             self.receive(slots)
             if self.has_next:
                 return True
-            progress.wait(timeout_s)
+            with ctrl_c_as_itself():
+                progress.wait(timeout_s)
         self.receive(slots)
         if self.done and not self.has_next:
             raise RuntimeError(f"internal error: the task of batches {self.jobs[0].number}-{self.jobs[-1].number} "

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The caller-side core reads top-down: loader -> _iterator -> _engine -> _schedule/_options ->
 # _pool -> _worker -> _fetch -> _rows -> the supporting modules.
 LAYERS = [
-    {"_checks", "_math", "_mppool", "_pooldir", "_protocol", "_seed", "_segment", "_snapshot", "_tree", "_stats"},
+    {"_checks", "_math", "_mppool", "_pooldir", "_protocol", "_seed", "_segment", "_waits", "_snapshot", "_tree", "_stats"},
     {"_admission", "_registry", "_caller_slots", "_worker_slots", "batchify", "sampler", "_device"},
     {"dataset", "_payload", "_rows", "_task", "_sizing", "_datapipes", "_tuning"},
     {"_fetch"},
