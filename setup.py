@@ -38,7 +38,10 @@ setup(
         ],
         # MkDocs builds the site in docs/; mkdocstrings writes its API reference from the docstrings.
         "docs": ["mkdocs>=1.6,<2", "mkdocstrings[python]>=0.26"],
-        # tensorpack: a peer the benchmark compares with (W1, W2); pillow: W8's JPEGs.
-        "bench": ["matplotlib>=3.7", "psutil>=5.9", "pillow>=9.1", "tensorpack>=0.11"],
+        # tensorpack: a peer the benchmark compares with (W1, W2); pillow: W8's JPEGs; Ray Data:
+        # W12's peer (gloader on Ray beside it).
+        "bench": ["matplotlib>=3.7", "psutil>=5.9", "pillow>=9.1", "tensorpack>=0.11", "ray[data]>=2.9"],
+        # RayPool: the loader's workers as Ray actors across a cluster (only imported when used).
+        "ray": ["ray>=2.9"],
     },
 )

@@ -3,20 +3,22 @@
 `DataLoader(dataset, batch_size=64, shuffle=True, last_batch='rollover', num_workers=4)`
 works as in MXNet Gluon and yields batches of torch tensors. Workers run in one persistent
 `multiprocess` pool per loader (or a shared `WorkerPool`) and write batches straight into
-reused shared memory, which the caller maps without copying.
+reused shared memory, which the caller maps without copying. `RayPool` runs them as Ray
+actors across a cluster instead.
 """
 from . import batchify, sampler
 from ._pool import WorkerPool
 from ._protocol import BatchTimeoutError, WorkerExitedError
+from ._ray import RayPool
 from ._registry import WorkerInfo, get_worker_info
 from .dataset import ArrayDataset, Dataset, IterableDataset, SimpleDataset
 from .loader import DataLoader
 
-__all__ = ["ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset",
+__all__ = ["ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "RayPool", "SimpleDataset",
            "WorkerExitedError", "WorkerInfo", "WorkerPool", "batchify", "get_worker_info", "sampler"]
 
-for _name in ("ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "SimpleDataset",
-              "WorkerExitedError", "WorkerInfo", "WorkerPool", "get_worker_info"):
+for _name in ("ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "RayPool",
+              "SimpleDataset", "WorkerExitedError", "WorkerInfo", "WorkerPool", "get_worker_info"):
     globals()[_name].__module__ = __name__
 del _name
 

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from ._caller_slots import SlotPool
 from ._device import DEVICE_STAGE_HOLDS, PIN_THREAD_HOLDS, register_for_device
@@ -205,6 +205,10 @@ def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], P
     num_workers; a tuned count, see `_tuning`), or in-process."""
     if config.num_workers == 0:
         return InProcess(config, make_payload(False))
+    place = getattr(config.pool, "start_backend", None)
+    if place is not None:  # a pool that runs tasks elsewhere (a RayPool: see _ray)
+        backend: Backend = place(config, loader_id, make_payload)
+        return backend
     import multiprocess
 
     start_method = multiprocess.get_context(config.start_method).get_start_method()
@@ -228,4 +232,29 @@ def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], P
     return OnPool(core, config.pool is None, loader_id, slots, config.persistent_workers)
 
 
-Backend = InProcess | OnPool
+class Backend(Protocol):
+    """What the engine asks of a strategy (`InProcess`, `OnPool`, `_ray.OnRay`): it submits
+    tasks to it, asks it these and never which one it has."""
+
+    slots: SlotPool | None  # the shared-memory slots batches come back in (None: they come whole)
+    copies_dataset: bool  # workers hold a copy of the dataset, taken when they started
+    owns_workers: bool  # the workers are the loader's own (not a shared pool's)
+    has_workers: bool  # anything runs outside the caller's thread
+
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> Any: ...
+
+    def find_dead_worker(self) -> str | None: ...
+
+    def worker_pids(self) -> list[int]: ...
+
+    def worker_processes(self) -> list[Any]: ...
+
+    def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None: ...
+
+    def timed_out(self, epoch: int, numbers: list[int]) -> None: ...
+
+    def forget(self, result: Any) -> None: ...
+
+    def forget_after_fork(self) -> bool: ...
+
+    def close(self, drain: Callable[[float], None], prompt: bool = False) -> None: ...

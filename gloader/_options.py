@@ -42,8 +42,9 @@ _OVERSUBSCRIBED_PER_CPU = 2
 
 
 class PoolLike(Protocol):
-    """What a loader reads of the `WorkerPool` given as pool= (a protocol, so that the options
-    need not import the pool; `_is_pool` checks a value for it)."""
+    """What a loader reads of the pool given as pool=, a `WorkerPool` (its `core`) or a `RayPool`
+    (its `start_backend` instead; a protocol, so that the options need not import either;
+    `_is_pool` checks a value for it)."""
 
     core: Any
     num_workers: int
@@ -138,8 +139,9 @@ class LoaderConfig:
 
     @property
     def worker_kind(self) -> str:
-        """'in-process', 'threads' or 'processes'."""
-        return "in-process" if self.num_workers == 0 else "threads" if self.thread_pool else "processes"
+        """'in-process', 'threads', 'processes', or what the pool given says ('Ray actors')."""
+        return "in-process" if self.num_workers == 0 else "threads" if self.thread_pool else \
+            getattr(self.pool, "worker_kind", "processes")
 
     @property
     def device_reads_slots(self) -> bool:
@@ -184,7 +186,7 @@ class LoaderConfig:
         cpu_budget, memory_budget = given["cpu_budget"], given["memory_budget"]
         budget = _check_budgets(num_workers, cpu_budget, memory_budget)
         workers = _check_num_workers(num_workers, budget[0])
-        chosen = ("the workers of the WorkerPool given as pool=" if pool is not None else
+        chosen = (f"the workers of the {type(pool).__name__} given as pool=" if pool is not None else
                   f"num_workers='auto': one per CPU of cpu_budget={budget[0]:g} to start"
                   if num_workers == "auto" else "num_workers as given")
         method = check_start_method(start_method)
@@ -421,15 +423,15 @@ def _stream_batches(dataset: Any, stream: StreamRequest) -> int | None:
 
 def _is_pool(value: Any) -> bool:
     """Whether `value` has what a `PoolLike` has (read without running a property: a closed
-    pool's `core` raises)."""
-    return all(inspect.getattr_static(value, name, None) is not None
-               for name in ("core", "num_workers", "thread_pool", "closed"))
+    pool's `core` raises): a `WorkerPool`'s `core`, or a `RayPool`'s `start_backend`."""
+    return all(inspect.getattr_static(value, name, None) is not None for name in ("num_workers", "thread_pool", "closed")) \
+        and any(inspect.getattr_static(value, name, None) is not None for name in ("core", "start_backend"))
 
 
 def _take_pool_settings(pool: Any, num_workers: Any, thread_pool: Any,
                         start_method: Any) -> tuple[int, bool, str | None]:
     if not _is_pool(pool):
-        raise TypeError(f"pool must be a gloader.WorkerPool or None, got {type(pool).__name__}")
+        raise TypeError(f"pool must be a gloader.WorkerPool, a gloader.RayPool or None, got {type(pool).__name__}")
     if pool.closed:
         raise ValueError("pool= is a closed WorkerPool; create a new one (or close it after its loaders)")
     if num_workers not in (0, "auto", pool.num_workers):

@@ -22,6 +22,7 @@ from ._iterator import EpochIterator, Position
 from ._options import LoaderConfig, warn_if_every_rank_loads_everything
 from ._payload import build_payload
 from ._pool import WorkerPool
+from ._ray import RayPool
 from ._schedule import Epoch, Schedule
 from ._seed import draw_base_seed
 from ._stats import PipelineStats
@@ -101,7 +102,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         worker_init_fn: called as `worker_init_fn(worker_id)` once in each worker.
         seed: makes shuffling and per-batch random draws reproducible for any num_workers.
         start_method: 'fork', 'spawn', 'forkserver' or None (the platform default).
-        pool: a `gloader.WorkerPool` to run on instead of starting one.
+        pool: a `gloader.WorkerPool` to run on instead of starting one, or a `gloader.RayPool`
+            to run the workers as Ray actors, on this machine or across a Ray cluster.
         progress: show a progress bar on stderr (batches/s and the share of time spent
             waiting for input) for every epoch.
         collate_fn: torch's name for `batchify_fn`. Passing both a torch name and its Gluon
@@ -154,7 +156,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                  pin_memory: bool = False, pin_device_id: int = 0, prefetch: int | None = None,
                  thread_pool: bool = False, timeout: float = 120, *, device: Any = None,
                  worker_init_fn: Callable[[int], None] | None = None, seed: int | None = None,
-                 start_method: str | None = None, pool: WorkerPool | None = None, progress: bool = False,
+                 start_method: str | None = None, pool: WorkerPool | RayPool | None = None, progress: bool = False,
                  collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool | None = None,
                  persistent_workers: bool | None = None, prefetch_factor: int | None = None,
                  multiprocessing_context: Any = None, generator: Any = None, in_order: bool = True,
@@ -220,7 +222,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     device = _FromConfig("device", "The CUDA device batches are moved to (None: they stay on the host).")
     seed = _FromConfig("seed", "The seed given (None: drawn from torch's default generator).")
     thread_pool = _FromConfig("thread_pool", "Whether the workers are threads of this process.")
-    pool = _FromConfig("pool", "The shared WorkerPool the loader runs on, if one was given.")
+    pool = _FromConfig("pool", "The WorkerPool or RayPool the loader runs on, if one was given.")
     progress = _FromConfig("progress", "Whether a progress bar is shown.")
 
     @property

@@ -46,7 +46,7 @@ def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
-    (["--workloads", "W1,W12"], r"--workloads takes W1 to W11; got \['W12'\]"),
+    (["--workloads", "W1,W13"], r"--workloads takes W1 to W12; got \['W13'\]"),
     (["--workloads", "W1", "--plot", "x.png"], "--plot needs W1, W2, W3 and W4"),
 ])
 def test_bad_arguments_exit_with_a_message(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -403,7 +403,7 @@ def test_help_names_every_workload() -> None:
     listed = done.stdout.split("\nworkloads:\n")[1]
     starts = re.findall(r"^\s+(W\d+)(?:, (W\d+))? ", listed, re.MULTILINE)  # each line that says what one is
     assert sorted({name for pair in starts for name in pair if name}, key=lambda n: int(n[1:])) == \
-        [f"W{i}" for i in range(1, 12)]
+        [f"W{i}" for i in range(1, 13)]
 
 
 def test_module_changes_count_each_entry_into_another_module_of_the_package() -> None:
@@ -422,3 +422,26 @@ def test_module_changes_count_each_entry_into_another_module_of_the_package() ->
     assert count_changes(lambda: a(lambda: other(lambda: a())), "pkg") == 0
     assert count_changes(lambda: a(lambda: b(lambda: a())), "pkg") == 2
     assert count_changes(lambda: a(lambda: other(lambda: b())), "pkg") == 1
+
+
+def test_w12_report_and_scale_out_model_follow_the_measured_figures() -> None:
+    """The model is nodes x the measured per-node rate, up to what one caller received."""
+    from gloader.bench import cluster
+
+    def loaders(rate: float) -> dict[str, Any]:
+        return {name: {"samples_per_s": [rate * (1 + index)], "caller_ms": [0.5]}
+                for index, name in enumerate(("gloader on Ray", "Ray Data", "torch", "gloader local"))}
+
+    results = {"W12": {"cpus": 2, "W3": loaders(1000.0), "W8": loaders(100.0),
+                       "receive": {"batch_mb": 2.4, "gloader on Ray": {"gb_per_s": [0.5], "caller_ms": [0.8]},
+                                   "gloader local": {"gb_per_s": [4.0], "caller_ms": [0.2]}}}}
+    assert cluster.scale_out(results, "W3", 4) == 4000.0  # far under the bound: 0.5 GB/s of 264-byte samples
+    w8_bound = 0.5e9 / (3 * 224 * 224 * 4 + 8)
+    assert cluster.scale_out(results, "W8", 64) == pytest.approx(w8_bound)
+    assert cluster.scale_out(results, "W8", 2) == 200.0
+    lines = cluster.report_ray(results)
+    w3 = next(line for line in lines if line.startswith("| W3 |"))
+    assert "(**0.50x**)" in w3  # gloader on Ray over Ray Data, which read twice as fast here
+    assert cluster.ray_summary(results) == ("W12 gloader on Ray / Ray Data, same CPUs | W3 0.50x, W8 0.50x; "
+                                            "one caller receives 0.50 GB/s")
+    assert cluster.report_ray({"W12": {"skipped": "Ray is not installed"}}) == ["", "W12 skipped: Ray is not installed"]

@@ -21,7 +21,7 @@ LAYERS = [
     {"dataset", "_payload", "_rows", "_task", "_sizing", "_datapipes", "_tuning"},
     {"_fetch"},
     {"_worker"},
-    {"_pool"},
+    {"_pool", "_ray"},
     {"_options", "_schedule"},
     {"_backends"},
     {"_engine"},

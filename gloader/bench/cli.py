@@ -36,6 +36,9 @@ Workloads:
         gloader with 2, 8 and 32 workers, gloader with 2 and fetch_threads='auto', and gloader
         with num_workers='auto', alone and with fetch_threads='auto'; see
         `gloader.bench.remote`. Skipped when Pillow is not installed.
+    W12 on a local Ray instance with the same CPUs: gloader on Ray (RayPool) against Ray Data,
+        torch and local gloader on W3 and W8, and the GB/s one caller receives of W2 batches
+        through Ray's object store; see `gloader.bench.cluster`. Skipped when Ray is not installed.
 
 Uses gloader's public API only, like any other user of it.
 """
@@ -60,6 +63,7 @@ import torch
 
 import gloader
 
+from .cluster import W3_SAMPLES, measure_ray, ray_summary, report_ray
 from .datasets import (
     BatchedTable,
     CpuBoundDataset,
@@ -105,6 +109,8 @@ _SCALING_WORKERS = (1, 2, 4)
 # (W3: about 1.5 s at 2 workers; W8: about 3 s).
 _GAP_ROUNDS = 3
 _GAP_BATCHES = {"W3": 120, "W8": 20}
+# W12 (Ray): at most this many rounds (8 loader turns and 2 receive turns a round).
+_RAY_ROUNDS = 3
 
 
 @dataclasses.dataclass
@@ -255,16 +261,18 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         with_latency = only is None or "W4" in only
         scaling = [w for w in workloads if w.name in _SCALING]
         with_remote = only is None or "W11" in only
+        with_ray = only is None or "W12" in only
         steps = sum(2 + len(_PEERS.get(w.name, ())) for w in workloads) + with_latency * 2 + \
             with_remote * len(remote_loader_names())
         gap_rounds = min(rounds, _GAP_ROUNDS)
+        ray_rounds = min(rounds, _RAY_ROUNDS)
         progress = _Progress(rounds * steps + len(scaling) * len(_SCALING_WORKERS) * 2 * rounds
-                             + len(scaling) * len(GAP_LOADERS) * gap_rounds)
+                             + len(scaling) * len(GAP_LOADERS) * gap_rounds + with_ray * ray_rounds * 10)
         datasets = {}
         for work in workloads:
             datasets[work.name] = work.make()  # once: W8 writes 2,000 JPEGs
             results[work.name] = _measure_workload(work, datasets[work.name], rounds, progress)
-            if work.name not in _SCALING:
+            if work.name not in _SCALING and not (with_ray and work.name == "W8"):
                 del datasets[work.name]
         if scaling:
             results["scaling"] = {w.name: _measure_scaling(w, datasets[w.name], rounds, progress) for w in scaling}
@@ -273,6 +281,12 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         _run_memory(quick, only, results)
         if with_remote:
             results["W11"] = measure_remote(quick, rounds, progress.step)
+        if with_ray:  # whole epochs: W3 on fewer samples, W8 on its 2,000 JPEGs
+            on_ray = {w.name: w for w in _workloads(size, scale, {"W8"}, {}, cleanup)}
+            on_ray_sets = {"W3": (CpuBoundDataset(int(W3_SAMPLES * scale), size), 32)}
+            if "W8" in on_ray:
+                on_ray_sets["W8"] = (datasets.get("W8") or on_ray["W8"].make(), on_ray["W8"].batch_size)
+            results["W12"] = measure_ray(on_ray_sets, quick, ray_rounds, progress.step)
         if only is not None and "W7" in only:
             from .device import measure_device_transfer
 
@@ -426,14 +440,16 @@ def report(results: dict[str, Any]) -> str:
     from .memory import report_memory
 
     if "W4" not in results:
-        return "\n".join(lines + report_memory(results) + report_device(results) + report_remote(results))
+        return "\n".join(lines + report_memory(results) + report_device(results) + report_remote(results)
+                         + report_ray(results))
     w4 = results["W4"]
     lines += ["", "| W4 first batch (W2 data) | gloader ms | torch ms | torch/gloader |", "|---|---|---|---|"]
     for key, label in (("epoch1_ms", "epoch 1 (starts workers)"), ("later_ms", "epochs 2-5 (median)")):
         ratio = [t / g for g, t in zip(w4[key]["gloader"], w4[key]["torch"])]
         lines.append(f"| {label} | {summary(w4[key]['gloader'])} | {summary(w4[key]['torch'])} | "
                      f"{summary(ratio)}x |")
-    return "\n".join(lines + report_memory(results) + report_device(results) + report_remote(results))
+    return "\n".join(lines + report_memory(results) + report_device(results) + report_remote(results)
+                     + report_ray(results))
 
 
 SUMMARY_START = "<!-- benchmark summary: written by python -m gloader.bench --readme -->"
@@ -485,6 +501,9 @@ def summary_table(results: dict[str, Any]) -> str:
     remote = remote_summary(results)
     if remote:
         lines.append(f"| W11 HTTP store, 5 ms a request: {remote} |")
+    on_ray = ray_summary(results)
+    if on_ray:
+        lines.append(f"| {on_ray} |")
     return "\n".join(lines)
 
 
@@ -663,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small run, under a minute")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (needs W1-W4)")
-    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W11; W7 needs CUDA and runs only when named)")
+    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W12; W7 needs CUDA and runs only when named)")
     parser.add_argument("--markdown", metavar="PAGE.md", help="also write the report as a documentation page "
                         "(the machine, versions, date and command of this run included)")
     parser.add_argument("--readme", metavar="README.md", help="also put this run's summary table into that file, "
@@ -680,9 +699,9 @@ def main(argv: list[str] | None = None) -> int:
     only = None
     if args.workloads:
         only = {w.strip().upper() for w in args.workloads.split(",")}
-        unknown = only - {f"W{number}" for number in range(1, 12)}
+        unknown = only - {f"W{number}" for number in range(1, 13)}
         if unknown:
-            parser.error(f"--workloads takes W1 to W11; got {sorted(unknown)}")
+            parser.error(f"--workloads takes W1 to W12; got {sorted(unknown)}")
         if args.plot and not {"W1", "W2", "W3", "W4"} <= only:
             parser.error("--plot needs W1, W2, W3 and W4")
     if args.readme:

@@ -1,0 +1,344 @@
+"""Where tasks run on a Ray cluster: `RayPool`, given as `DataLoader(..., pool=RayPool(8))`.
+
+Everything Ray-specific lives here; the engine sees one more strategy (see `_backends`). The
+loader's workers are Ray actors, one per worker id, started when the loader first loads:
+constructing an actor is the pool initializer (the loader's payload goes to Ray's object store
+once, `ray.put`, and each actor registers it by loader id in its process, as a process
+worker's initializer does). A task is an actor call that loads one batch with the same
+`_worker.execute` as every other worker, and answers with the batch's numpy arrays, which Ray
+keeps in its object store and the caller maps without a copy on the same node.
+
+A task lost with its actor or node (the actor died, the node left the cluster, the result's
+object was lost) is run again on another actor, and a replacement actor with the dead one's
+worker id is started where Ray finds room. A batch is a pure function of the loader's seed,
+the epoch, its index and its sample keys, so the epoch completes as an undisturbed one would
+(a stream's batch is not: it is its worker's next samples, so a lost stream task fails the
+epoch with `WorkerExitedError`, as a dead local worker does). When no actor is left and none
+can start, the batch's `timeout` ends the wait.
+
+Ray is imported only when a RayPool starts its first loader: a local loader never imports it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from . import _registry
+from ._checks import check_positive_int
+from ._fetch import Cursor
+from ._protocol import Loaded, StreamRequest, WorkerExitedError
+from ._registry import Payload
+from ._tree import as_torch_dtype, map_structure
+from ._tuning import Tuner
+from ._worker import WorkerState, _LocalLink, _seed_globals, execute
+
+__all__ = ["RayPool"]
+
+# How many times one task may be run again after losing its actor, per worker of the pool,
+# before the loader gives up with WorkerExitedError (every actor keeps dying: a dataset that
+# kills its process, or a cluster without room). Larger: survives more churn; smaller: fails sooner.
+_RERUNS_PER_WORKER = 2
+
+
+def _numpy_leaves(batch: Any) -> Any:
+    """The batch with its CPU tensors as numpy arrays sharing their memory: Ray stores numpy
+    arrays out of band and the caller maps them without a copy (tensors would be pickled)."""
+    return map_structure(lambda leaf: leaf.numpy() if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
+                         else leaf, batch)
+
+
+class _ArrayWriter:
+    """The batch itself, as numpy arrays (see `_numpy_leaves`)."""
+
+    def write(self, batchify_fn: Callable[[list[Any]], Any], samples: list[Any], space: Any) -> Any:
+        return _numpy_leaves(batchify_fn(samples))
+
+
+class RayWorker:
+    """One worker of a loader on Ray (the actor's class; `ray.remote` wraps it when a pool
+    starts). Its construction registers the loader, as a pool initializer does; never raises
+    (a failure is kept and reported by the loader's first batch)."""
+
+    def __init__(self, loader_id: int, payload: Payload, worker_id: int, num_workers: int,
+                 caller_path: list[str]) -> None:
+        # As a spawned local worker does, find modules where the caller finds them (those of
+        # its paths that exist on this node), before the payload is unpickled.
+        sys.path.extend(path for path in caller_path if path not in sys.path and os.path.isdir(path or "."))
+        self._loader_id = loader_id
+        self._state = WorkerState(worker_id, num_workers, _ArrayWriter(), _LocalLink(), _seed_globals,
+                                  crosses_process=True)
+        _registry.register_loader(loader_id, payload, worker_id, num_workers, True)
+
+    def ready(self) -> int:
+        """The actor's pid, once it is constructed."""
+        return os.getpid()
+
+    def run(self, epoch: int, batches: tuple[tuple[int, int, Any], ...]) -> list[Any]:
+        """Load the task's batches; one answer per batch (Loaded, ShardEnd or WorkerFailure)."""
+        registration = _registry.lookup(self._loader_id)
+        answers = []
+        for number, seed, work in batches:
+            if registration is None:  # pragma: no cover - registration never raises
+                exc = RuntimeError(f"gloader Ray worker has no loader {self._loader_id} registered")
+                answers.append(self._state.failure(exc, "", "", number, Cursor().key))
+                continue
+            answers.append(execute(self._state, registration, self._loader_id, epoch, number, seed, work, None))
+        return answers
+
+
+class RayPool:
+    """Run a loader's workers as Ray actors, on this machine or across a Ray cluster.
+
+    Given as `DataLoader(..., pool=RayPool(num_workers=32))`. Each loader it is given to
+    starts its own actors at its first batch (the dataset goes to Ray's object store once) and
+    ends them at `close()`. Batches are bit-identical to `num_workers=0` with the same `seed=`,
+    whatever the number of actors; `state_dict()`, samplers, per-batch errors and `timeout`
+    work as with local workers; a task lost with its actor or node runs again on another
+    actor (see docs/guide/ray.md).
+
+    Args:
+        num_workers: actors per loader, >= 1.
+        address: the cluster to connect to when Ray is not initialized yet: None (Ray's
+            default: `RAY_ADDRESS`, else a new local instance), 'auto' (a running cluster on
+            this machine) or 'ray://host:port'. An initialized Ray is used as it is.
+        num_cpus: CPUs Ray reserves for each actor (> 0).
+        resources: custom resources each actor needs, e.g. `{"cpu_node": 1}` to keep the
+            workers on CPU-only nodes.
+        actor_options: further `ray.remote` options for each actor (`scheduling_strategy`,
+            `memory`, `runtime_env`, ...).
+        init_options: further `ray.init` options, used when this pool initializes Ray.
+
+    Raises:
+        TypeError, ValueError: for a bad argument, naming it.
+    """
+
+    # What a loader reads of a pool given as pool= (see `_options.PoolLike`).
+    worker_kind = "Ray actors"
+    thread_pool = False
+    start_method = None
+    closed = False
+
+    def __init__(self, num_workers: int, *, address: str | None = None, num_cpus: float = 1.0,
+                 resources: dict[str, float] | None = None, actor_options: dict[str, Any] | None = None,
+                 init_options: dict[str, Any] | None = None) -> None:
+        self.num_workers = check_positive_int("num_workers", num_workers)
+        if address is not None and not isinstance(address, str):
+            raise TypeError(f"address must be a str ('auto', 'ray://host:port') or None, got {address!r}")
+        if isinstance(num_cpus, bool) or not isinstance(num_cpus, (int, float)) or not num_cpus > 0:
+            raise ValueError(f"num_cpus must be a number > 0 (CPUs reserved per actor), got {num_cpus!r}")
+        for name, value in (("resources", resources), ("actor_options", actor_options),
+                            ("init_options", init_options)):
+            if value is not None and not isinstance(value, dict):
+                raise TypeError(f"{name} must be a dict or None, got {type(value).__name__}")
+        self.address = address
+        self.num_cpus = float(num_cpus)
+        self.resources = dict(resources or {})
+        self.actor_options = dict(actor_options or {})
+        self.init_options = dict(init_options or {})
+
+    def __repr__(self) -> str:
+        return f"RayPool(num_workers={self.num_workers}, address={self.address!r}, num_cpus={self.num_cpus:g})"
+
+    def connect(self) -> Any:
+        """The `ray` module, initialized (with this pool's address and options if it was not)."""
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.address, **self.init_options)
+        return ray
+
+    def start_backend(self, config: Any, loader_id: int, make_payload: Callable[[bool], Payload]) -> OnRay:
+        """Start a loader's actors (the strategy `_backends.start` returns for this pool)."""
+        return OnRay(self, config, loader_id, make_payload(True))
+
+
+class _RayResult:
+    """A task in flight on an actor, as the engine waits for it (`ready`, `wait`, `get`).
+    Re-runs the task on another actor when its actor or its result is lost."""
+
+    def __init__(self, backend: OnRay, epoch: int, batches: tuple[tuple[int, int, Any], ...],
+                 on_ready: Callable[[Any], None]) -> None:
+        self._backend = backend
+        self._epoch = epoch
+        self._batches = batches
+        self._on_ready = on_ready
+        self._value: list[Any] | None = None
+        self.reruns = 0
+        self.worker, self.ref = backend.dispatch(epoch, batches)
+
+    def ready(self) -> bool:
+        if self._value is None:
+            done, _ = self._backend.ray.wait([self.ref], timeout=0, fetch_local=False)
+            if done:
+                self._take()
+        return self._value is not None
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._value is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            done, _ = self._backend.ray.wait([self.ref], timeout=left)
+            if done:
+                self._take()
+
+    def get(self, timeout_s: float) -> list[Any]:
+        if self._value is None:
+            raise RuntimeError("internal error: a Ray task's answers were read before it was ready")
+        return self._value
+
+    def _take(self) -> None:
+        """Read the finished task's answers; a lost actor or result runs it again elsewhere."""
+        backend = self._backend
+        ray = backend.ray
+        try:
+            answers = ray.get(self.ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError,
+                ray.exceptions.NodeDiedError) as exc:
+            backend.lost(self.worker, exc)
+            if isinstance(self._batches[0][2], StreamRequest):
+                raise WorkerExitedError(f"gloader Ray worker {self.worker} was lost ({type(exc).__name__}) while "
+                                        "loading a stream's batch, which is its shard's next samples and cannot "
+                                        "be loaded again elsewhere") from exc
+            self.reruns += 1
+            if self.reruns > _RERUNS_PER_WORKER * backend.count:
+                raise WorkerExitedError(f"gloader Ray workers kept being lost: batch {self._batches[0][0]} of epoch "
+                                        f"{self._epoch} was run {self.reruns} times ({type(exc).__name__}: "
+                                        f"{exc})") from exc
+            self.worker, self.ref = backend.dispatch(self._epoch, self._batches)
+            return
+        backend.finished(self.worker)
+        self._value = [_rebuilt(answer) for answer in answers]
+        self._on_ready(None)
+
+
+def _warn_if_too_small(ray: Any, pool: RayPool) -> None:
+    """Warn when the cluster has fewer CPUs than the pool's actors reserve: the others wait for
+    room (an autoscaler may add it), and the loader runs on those Ray could place."""
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    wanted = pool.num_cpus * pool.num_workers
+    if wanted > cpus:
+        warnings.warn(f"{pool!r} reserves {wanted:g} CPUs (num_cpus={pool.num_cpus:g} per actor) and the Ray cluster "
+                      f"has {cpus:g}: actors that do not fit wait for room, and the loader runs on the others; "
+                      "lower num_cpus or num_workers, or add nodes", RuntimeWarning, stacklevel=6)
+
+
+def _viewing_tensor(leaf: Any) -> Any:
+    if not isinstance(leaf, np.ndarray) or leaf.dtype.hasobject or as_torch_dtype(leaf.dtype) is None:
+        return leaf
+    try:
+        return torch.from_numpy(leaf)
+    except ValueError:  # a reversed view (negative strides)
+        return torch.from_numpy(np.ascontiguousarray(leaf))
+
+
+def _rebuilt(answer: Any) -> Any:
+    """A batch from the object store as tensors viewing it, without a copy. Ray hands its
+    arrays out read-only, though the memory is writable: the object is this batch's alone and
+    is released with its last tensor, as a batch in a shared-memory slot is."""
+    if not isinstance(answer, Loaded):
+        return answer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "The given NumPy array is not writable"
+        return answer._replace(batch=map_structure(_viewing_tensor, answer.batch))
+
+
+class OnRay:
+    """Runs a loader's tasks on its Ray actors (see the module's docstring)."""
+
+    slots = None  # batches come through Ray's object store
+    has_workers = True
+    owns_workers = True
+
+    def __init__(self, pool: RayPool, config: Any, loader_id: int, payload: Payload) -> None:
+        self.ray = pool.connect()
+        self._pool = pool
+        self._loader_id = loader_id
+        self.count = pool.num_workers
+        self._timeout_s = config.timeout_s
+        # Actors hold a copy of the dataset; torch's persistent workers keep theirs.
+        self.copies_dataset = not config.persistent_workers
+        self._payload = self.ray.put(payload)
+        options: dict[str, Any] = {"num_cpus": pool.num_cpus, "max_restarts": 0, "max_task_retries": 0,
+                                   **({"resources": pool.resources} if pool.resources else {}), **pool.actor_options}
+        self._actor_class = self.ray.remote(**options)(RayWorker)
+        self._pending: dict[int, Any] = {}  # worker id -> its actor's ready() while Ray has not placed it
+        self._actors: list[Any] = [self._start(worker) for worker in range(self.count)]
+        self._loads = [0] * self.count  # tasks in flight per worker id
+        self._next = 0
+        _warn_if_too_small(self.ray, pool)
+
+    def _start(self, worker: int) -> Any:
+        actor = self._actor_class.remote(self._loader_id, self._payload, worker, self.count, sys.path)
+        self._pending[worker] = actor.ready.remote()
+        return actor
+
+    def dispatch(self, epoch: int, batches: tuple[tuple[int, int, Any], ...]) -> tuple[int, Any]:
+        """Send a task to a placed worker with the fewest in flight (in turn among equals); to
+        one Ray has not placed yet (its calls wait for it) only when none is placed."""
+        if self._pending:
+            refs = list(self._pending.values())
+            # While none is placed (the loader's start), wait for the first, up to the timeout.
+            wait_s = self._timeout_s if len(refs) == self.count else 0
+            placed, _ = self.ray.wait(refs, num_returns=1 if wait_s else len(refs), timeout=wait_s, fetch_local=False)
+            if wait_s and placed:
+                placed, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            for worker in [worker for worker, ref in self._pending.items() if ref in placed]:
+                del self._pending[worker]
+        order = [(self._next + offset) % self.count for offset in range(self.count)]
+        worker = min(order, key=lambda worker: (worker in self._pending, self._loads[worker]))
+        self._next = (worker + 1) % self.count
+        self._loads[worker] += 1
+        return worker, self._actors[worker].run.remote(epoch, batches)
+
+    def finished(self, worker: int) -> None:
+        self._loads[worker] = max(0, self._loads[worker] - 1)
+
+    def lost(self, worker: int, exc: BaseException) -> None:
+        """The task's actor or result was lost: replace the actor if it is the one that died."""
+        self.finished(worker)
+        if isinstance(exc, self.ray.exceptions.ObjectLostError):
+            return  # the result is gone, the actor may be fine
+        actor, self._actors[worker] = self._actors[worker], self._start(worker)
+        self._loads[worker] = 0  # its other tasks fail too and are run again elsewhere
+        self.ray.kill(actor, no_restart=True)
+
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> _RayResult:
+        loader_id, epoch, batches = args[:3]
+        return _RayResult(self, epoch, batches, on_ready)
+
+    def find_dead_worker(self) -> str | None:
+        return None  # a lost actor's task runs again elsewhere (see `_RayResult._take`)
+
+    def worker_pids(self) -> list[int]:
+        return []  # the actors' processes may be on other machines
+
+    def worker_processes(self) -> list[Any]:
+        return []
+
+    def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None:
+        pass  # a RayPool's count stays as given
+
+    def timed_out(self, epoch: int, numbers: list[int]) -> None:
+        pass  # the loader's own actors: stopping them ends the hung one
+
+    def forget(self, result: Any) -> None:
+        pass
+
+    def forget_after_fork(self) -> bool:
+        return True  # Ray's connection is the parent's
+
+    def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
+        actors, self._actors = self._actors, []
+        for actor in actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # pragma: no cover - Ray already shut down at exit
+                pass

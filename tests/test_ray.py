@@ -1,0 +1,277 @@
+"""RayPool: a loader's workers as Ray actors on a local Ray instance (one per module), with
+every guarantee of the local loader: batches bit-identical to num_workers=0, resume,
+samplers, per-batch errors and timeouts, a lost actor's tasks run again, close ends its actors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+from conftest import dev_shm_names
+
+import gloader
+from gloader import BatchTimeoutError, DataLoader, RayPool
+from gloader.sampler import DistributedSampler
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance() -> Iterator[None]:
+    """A small local Ray instance for the module: 4 logical CPUs (actors reserve half a CPU
+    each below, so that 3 fit), a 100 MB object store."""
+    ray.init(num_cpus=4, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Ray's own processes and threads outlive a loader by design: here a test must leave no
+    /dev/shm name, and `actors_of` checks that close() ended the loader's actors."""
+    before = dev_shm_names()
+    yield
+    assert dev_shm_names() - before == set()
+
+
+def _pool(workers: int) -> RayPool:
+    return RayPool(workers, num_cpus=0.5)
+
+
+def actors_of(loader: DataLoader) -> list[Any]:
+    """The Ray actors of a loader now running (its strategy's)."""
+    backend = loader._engine._backend
+    return list(backend._actors) if backend is not None else []
+
+
+def _ended(actor: Any) -> bool:
+    try:
+        ray.get(actor.ready.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+class Draws:
+    """Samples that draw from the global generators a worker seeds per batch."""
+
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"x": np.full((2, 3), index, dtype=np.float32), "np": np.random.randint(1 << 30),
+                "torch": torch.randint(1 << 30, ()), "seen": index}
+
+
+def _equal(first: list[Any], second: list[Any]) -> bool:
+    return len(first) == len(second) and all(
+        all(torch.equal(a[key], b[key]) for key in a) for a, b in zip(first, second))
+
+
+def _reference(dataset: Any, epochs: int = 2, **kwargs: Any) -> list[list[Any]]:
+    with DataLoader(dataset, num_workers=0, **kwargs) as loader:
+        return [list(loader) for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_batches_are_bit_identical_to_in_process_loading(workers: int) -> None:
+    kwargs = dict(batch_size=4, shuffle=True, seed=7, last_batch="keep")
+    expected = _reference(Draws(), **kwargs)
+    with DataLoader(Draws(), pool=_pool(workers), **kwargs) as loader:
+        got = [list(loader) for _ in range(2)]
+        actors = actors_of(loader)
+        assert len(actors) == workers
+        assert loader.stats()["workers"]["count"] == workers
+    assert all(_equal(a, b) for a, b in zip(got, expected))
+    assert not _equal(got[0], got[1])  # two epochs, two orders
+    assert all(_ended(actor) for actor in actors)
+
+
+def test_batches_are_tensors_viewing_the_object_store_and_the_caller_may_write_them() -> None:
+    with DataLoader(Draws(), batch_size=5, pool=_pool(2)) as loader:
+        batch = next(iter(loader))
+        assert isinstance(batch["x"], torch.Tensor) and batch["x"].shape == (5, 2, 3)
+        batch["x"] += 1  # the batch is the caller's alone
+        assert batch["x"][0, 0, 0].item() == 1.0
+
+
+def test_resume_mid_epoch_gives_the_rest_of_the_epoch() -> None:
+    kwargs = dict(batch_size=4, shuffle=True, seed=3)
+    expected = _reference(Draws(), epochs=1, **kwargs)[0]
+    with DataLoader(Draws(), pool=_pool(2), **kwargs) as loader:
+        iterator = iter(loader)
+        first = [next(iterator) for _ in range(5)]
+        state = loader.state_dict()
+    with DataLoader(Draws(), pool=_pool(3), **kwargs) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    with DataLoader(Draws(), num_workers=1, **kwargs) as loader:  # from Ray to local workers
+        loader.load_state_dict(state)
+        rest_locally = list(loader)
+    assert _equal(first + rest, expected) and _equal(first + rest_locally, expected)
+
+
+def test_distributed_ranks_split_the_epoch_as_in_process_loading_does() -> None:
+    got, expected = [], []
+    for rank in range(2):
+        def sampler(rank: int = rank) -> DistributedSampler:
+            made = DistributedSampler(len(Draws()), num_replicas=2, rank=rank, shuffle=True, seed=5)
+            made.set_epoch(1)
+            return made
+        with DataLoader(Draws(), batch_size=4, sampler=sampler(), pool=_pool(2), seed=1) as loader:
+            got.append(list(loader))
+        with DataLoader(Draws(), batch_size=4, sampler=sampler(), num_workers=0, seed=1) as loader:
+            expected.append(list(loader))
+    assert all(_equal(a, b) for a, b in zip(got, expected))
+    seen = [int(index) for rank in got for batch in rank for index in batch["seen"]]
+    assert sorted(seen) == list(range(50))
+
+
+class FailsAt:
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index == self.bad:
+            raise KeyError(f"sample {index} is missing")
+        return np.full(3, index)
+
+
+def test_a_failing_sample_fails_its_own_batch_with_the_datasets_exception() -> None:
+    with DataLoader(FailsAt(9), batch_size=4, pool=_pool(2)) as loader:
+        iterator = iter(loader)
+        got = [next(iterator), next(iterator)]
+        with pytest.raises(KeyError, match="sample 9 is missing") as info:
+            next(iterator)
+        assert "batch 2" in "\n".join(getattr(info.value, "__notes__", []))
+        got += list(iterator)  # the batches after it come
+    assert [int(batch[0, 0]) for batch in got] == [0, 4, 12, 16]
+
+
+class Hangs:
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index == 5:
+            time.sleep(60)
+        return np.full(3, index)
+
+
+def test_a_batch_over_its_timeout_raises_and_its_actors_end() -> None:
+    with DataLoader(Hangs(), batch_size=2, pool=_pool(2), timeout=2) as loader:
+        iterator = iter(loader)
+        actors = actors_of(loader) if next(iterator) is not None else []
+        next(iterator)
+        started = time.monotonic()
+        with pytest.raises(BatchTimeoutError, match="batch 2 of epoch 0"):
+            next(iterator)
+        assert time.monotonic() - started < 30
+        assert all(_ended(actor) for actor in actors)
+
+
+class Slow:
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        time.sleep(0.02)
+        return np.full(2, index) + np.random.randint(100)
+
+
+def test_an_actor_killed_mid_epoch_changes_no_batch() -> None:
+    kwargs = dict(batch_size=2, shuffle=True, seed=11)
+    expected = _reference(Slow(), epochs=1, **kwargs)[0]
+    with DataLoader(Slow(), pool=_pool(3), **kwargs) as loader:
+        iterator = iter(loader)
+        got = [next(iterator) for _ in range(3)]
+        victim = actors_of(loader)[0]
+        ray.kill(victim, no_restart=True)
+        got += list(iterator)
+        replaced = actors_of(loader)
+        assert victim not in replaced and len(replaced) == 3
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+class Stream(gloader.IterableDataset):
+    def __iter__(self) -> Iterator[int]:
+        info = gloader.get_worker_info()
+        begin, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(begin, 30, step))
+
+
+def test_a_stream_is_read_once_across_the_actors() -> None:
+    with DataLoader(Stream(), batch_size=4, pool=_pool(3), last_batch="keep") as loader:
+        seen = sorted(int(value) for batch in loader for value in batch)
+    assert seen == list(range(30))
+
+
+def test_a_notebook_style_lambda_and_local_class_reach_the_actors() -> None:
+    class Local:
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, index: int) -> int:
+            return index * 10
+
+    with DataLoader(Local(), batch_size=3, pool=_pool(2), batchify_fn=lambda samples: torch.tensor(samples) + 1) as loader:
+        assert [batch.tolist() for batch in loader] == [[1, 11, 21], [31, 41, 51]]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(num_workers=0), ValueError, "num_workers must be"),
+    (dict(num_workers=2, num_cpus=0), ValueError, "num_cpus must be a number > 0"),
+    (dict(num_workers=2, resources=["cpu_node"]), TypeError, "resources must be a dict"),
+    (dict(num_workers=2, address=6379), TypeError, "address must be a str"),
+])
+def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        RayPool(**kwargs)
+
+
+def test_a_conflicting_worker_count_is_named() -> None:
+    with pytest.raises(ValueError, match="num_workers=3 conflicts with pool="):
+        DataLoader(Draws(), batch_size=2, num_workers=3, pool=_pool(2))
+
+
+def test_the_local_loader_never_imports_ray() -> None:
+    code = ("import sys, gloader, numpy as np\n"
+            "with gloader.DataLoader(np.arange(8), batch_size=4, num_workers=1) as loader:\n"
+            "    list(loader)\n"
+            "print('ray' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_ctrl_c_while_the_caller_waits_is_a_keyboard_interrupt_and_close_ends_the_actors() -> None:
+    import _thread
+    import threading
+
+    with DataLoader(Hangs(), batch_size=2, pool=_pool(2), timeout=90) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        next(iterator)
+        actors = actors_of(loader)
+        interrupt = threading.Timer(0.5, _thread.interrupt_main)  # Ctrl-C while batch 2 (sample 5: 60 s) loads
+        interrupt.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                next(iterator)
+        finally:
+            interrupt.join()
+        assert time.monotonic() - started < 10
+    assert all(_ended(actor) for actor in actors)
