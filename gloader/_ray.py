@@ -170,7 +170,7 @@ class _RayResult:
         self._on_ready = on_ready
         self._value: list[Any] | None = None
         self.reruns = 0
-        self.worker, self.ref = backend.dispatch(epoch, batches)
+        self.worker, self.actor, self.ref = backend.dispatch(epoch, batches)
 
     def ready(self) -> bool:
         if self._value is None:
@@ -202,7 +202,7 @@ class _RayResult:
             answers = ray.get(self.ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError,
                 ray.exceptions.NodeDiedError) as exc:
-            backend.lost(self.worker, exc)
+            backend.lost(self.worker, self.actor, exc)
             if isinstance(self._batches[0][2], StreamRequest):
                 raise WorkerExitedError(f"gloader Ray worker {self.worker} was lost ({type(exc).__name__}) while "
                                         "loading a stream's batch, which is its shard's next samples and cannot "
@@ -212,7 +212,7 @@ class _RayResult:
                 raise WorkerExitedError(f"gloader Ray workers kept being lost: batch {self._batches[0][0]} of epoch "
                                         f"{self._epoch} was run {self.reruns} times ({type(exc).__name__}: "
                                         f"{exc})") from exc
-            self.worker, self.ref = backend.dispatch(self._epoch, self._batches)
+            self.worker, self.actor, self.ref = backend.dispatch(self._epoch, self._batches)
             return
         backend.finished(self.worker)
         self._value = [_rebuilt(answer) for answer in answers]
@@ -280,7 +280,7 @@ class OnRay:
         self._pending[worker] = actor.ready.remote()
         return actor
 
-    def dispatch(self, epoch: int, batches: tuple[tuple[int, int, Any], ...]) -> tuple[int, Any]:
+    def dispatch(self, epoch: int, batches: tuple[tuple[int, int, Any], ...]) -> tuple[int, Any, Any]:
         """Send a task to a placed worker with the fewest in flight (in turn among equals); to
         one Ray has not placed yet (its calls wait for it) only when none is placed."""
         if self._pending:
@@ -296,17 +296,21 @@ class OnRay:
         worker = min(order, key=lambda worker: (worker in self._pending, self._loads[worker]))
         self._next = (worker + 1) % self.count
         self._loads[worker] += 1
-        return worker, self._actors[worker].run.remote(epoch, batches)
+        actor = self._actors[worker]
+        return worker, actor, actor.run.remote(epoch, batches)
 
     def finished(self, worker: int) -> None:
         self._loads[worker] = max(0, self._loads[worker] - 1)
 
-    def lost(self, worker: int, exc: BaseException) -> None:
-        """The task's actor or result was lost: replace the actor if it is the one that died."""
+    def lost(self, worker: int, actor: Any, exc: BaseException) -> None:
+        """A task's `actor` or its result was lost: replace the actor (once: its other tasks
+        in flight fail too, after its replacement has started)."""
+        if self._actors[worker] is not actor:
+            return  # replaced already (its count of tasks in flight began anew)
         self.finished(worker)
         if isinstance(exc, self.ray.exceptions.ObjectLostError):
-            return  # the result is gone, the actor may be fine
-        actor, self._actors[worker] = self._actors[worker], self._start(worker)
+            return  # only the result is gone; the actor may be fine
+        self._actors[worker] = self._start(worker)
         self._loads[worker] = 0  # its other tasks fail too and are run again elsewhere
         self.ray.kill(actor, no_restart=True)
 
