@@ -115,6 +115,23 @@ def test_between_epochs_the_window_is_wider_up_to_the_window_at_the_most_workers
     assert (t.window, t.window_between_epochs) == (2, 4)
 
 
+def test_every_validation_pass_is_time_away_however_short_the_epochs_between() -> None:
+    """20-batch epochs of 50 ms steps, a 30 s checkpoint, then a 3 s pass after each epoch:
+    every pause opens the window again (a pause folded into the usual time away hid the passes
+    after it, which were measured as idle workers)."""
+    clock = Clock()
+    t = tuner(clock=clock)
+    t.begin([])
+    _feed(t, clock, 20, step_s=0.05, wait_s=0.0)
+    for pause in (30.0, 3.0, 3.0):
+        clock.now += pause
+        _feed(t, clock, 1, step_s=0.0, wait_s=0.0)
+        assert t.settling
+        t.begin([])
+        _feed(t, clock, 20, step_s=0.05, wait_s=0.0)
+        assert not t.settling
+
+
 @pytest.mark.parametrize("cpu_budget", [1, 2])
 def test_the_next_epoch_opens_with_a_wider_window_while_the_caller_is_away(cpu_budget, monkeypatch) -> None:
     """A caller is often away between epochs (a validation pass): the workers fill a wider
