@@ -108,7 +108,8 @@ _SCALING_WORKERS = (1, 2, 4)
 # 4 loaders for 4 epochs and 4 passes each), and the batches of a training epoch per workload
 # (W3: about 1.5 s at 2 workers; W8: about 3 s).
 _GAP_ROUNDS = 3
-_GAP_BATCHES = {"W3": 120, "W8": 20}
+# and of a validation pass (one worker: about 3 s alone on either).
+_GAP_BATCHES = {"W3": (120, 180), "W8": (20, 14)}
 # W12 (Ray): at most this many rounds (8 loader turns and 2 receive turns a round).
 _RAY_ROUNDS = 3
 
@@ -276,7 +277,7 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
                 del datasets[work.name]
         if scaling:
             results["scaling"] = {w.name: _measure_scaling(w, datasets[w.name], rounds, progress) for w in scaling}
-            results["gaps"] = measure_gaps({w.name: (datasets[w.name], w.batch_size, _GAP_BATCHES[w.name])
+            results["gaps"] = measure_gaps({w.name: (datasets[w.name], w.batch_size, *_GAP_BATCHES[w.name])
                                             for w in scaling}, quick, gap_rounds, progress.step)
         _run_memory(quick, only, results)
         if with_remote:

@@ -44,54 +44,63 @@ def _training(name: str, dataset: Any, batch_size: int) -> gloader.DataLoader[An
     return gloader.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, seed=0)
 
 
-def _validate(loader: gloader.DataLoader[Any], seconds: float) -> None:
-    """Iterate `loader` for `seconds` (whole epochs and a part of one), as a validation pass."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _validate(loader: gloader.DataLoader[Any], batches: int) -> None:
+    """Take `batches` batches of `loader` (whole epochs and a part of one), as a validation pass."""
+    while batches > 0:
         for _ in loader:
-            if time.perf_counter() >= end:
+            batches -= 1
+            if batches == 0:
                 break
 
 
-def _one_run(name: str, dataset: Any, batch_size: int, epochs: int, gap_s: float) -> tuple[float, int | None]:
-    """Training samples/s of `name` over epochs 2..`epochs`, and the worker count it ended with."""
-    timed_s, samples = 0.0, 0
+def _one_run(name: str, dataset: Any, batch_size: int, epochs: int, val_batches: int
+             ) -> tuple[float, int | None, float]:
+    """Training samples/s of `name` over epochs 2..`epochs` with the validation passes after
+    them included, the worker count it ended with, and the passes' samples/s (the training
+    loader's workers fill its next epoch meanwhile: what they take from validation shows there)."""
+    timed_s, samples, validated_s = 0.0, 0, 0.0
     val: gloader.DataLoader[Any] = gloader.DataLoader(dataset, batch_size=batch_size, num_workers=1)
     with _training(name, dataset, batch_size) as train, val:
         for epoch in range(epochs):
             started = time.perf_counter()
             count = sum(len(batch[1]) for batch in train)
+            trained = time.perf_counter()
+            _validate(val, val_batches)
             if epoch > 0:
                 timed_s += time.perf_counter() - started
+                validated_s += time.perf_counter() - trained
                 samples += count
-            _validate(val, gap_s)
         count_now = train.stats()["workers"]["count"] if name.endswith("auto") else None
     gc.collect()
-    return samples / timed_s, count_now
+    return samples / timed_s, count_now, val_batches * batch_size * (epochs - 1) / validated_s
 
 
-def measure_gaps(workloads: dict[str, tuple[Any, int, int]], quick: bool, rounds: int,
+def measure_gaps(workloads: dict[str, tuple[Any, int, int, int]], quick: bool, rounds: int,
                  step: Callable[[str], None]) -> dict[str, Any]:
-    """For each workload name -> (dataset, batch size, batches an epoch): every loader of
-    GAP_LOADERS, round by round, the order turning each round (--quick: a quarter of the batches)."""
-    epochs, gap_s = (3, 1.5) if quick else (4, 3.0)
-    results: dict[str, Any] = {"epochs": epochs, "gap_s": gap_s}
-    for work, (dataset, batch_size, batches) in workloads.items():
-        batches = max(4, batches // 4) if quick else batches
+    """For each workload name -> (dataset, batch size, batches an epoch, batches a validation
+    pass): every loader of GAP_LOADERS, round by round, the order turning each round (--quick:
+    a quarter of the batches)."""
+    epochs = 3 if quick else 4
+    results: dict[str, Any] = {"epochs": epochs}
+    for work, (dataset, batch_size, batches, val_batches) in workloads.items():
+        batches, val_batches = (max(4, batches // 4), max(2, val_batches // 4)) if quick else (batches, val_batches)
         data = Head(dataset, batches * batch_size)
         rates: dict[str, list[float]] = {name: [] for name in GAP_LOADERS}
+        validation: dict[str, list[float]] = {name: [] for name in GAP_LOADERS}
         counts: list[int] = []
         names = list(GAP_LOADERS)
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                rate, count = _one_run(name, data, batch_size, epochs, gap_s)
+                rate, count, validation_rate = _one_run(name, data, batch_size, epochs, val_batches)
                 rates[name].append(rate)
+                validation[name].append(validation_rate)
                 if count is not None:
                     counts.append(count)
                 step(f"{work} with validation passes, round {r + 1} {name}")
         best = [max(rates[name][r] for name in GAP_LOADERS[:-1]) for r in range(rounds)]
         results[work] = {"samples_per_s": rates, "auto_over_best": [a / b for a, b in zip(rates["gloader auto"], best)],
-                         "auto_workers": counts, "batches": batches}
+                         "auto_workers": counts, "batches": batches, "val_batches": val_batches,
+                         "validation_per_s": validation}
     return results
 
 
@@ -100,9 +109,11 @@ def report_gaps(results: dict[str, Any]) -> list[str]:
     if not gaps:
         return []
     works = [name for name in gaps if name.startswith("W")]
-    lines = ["", f"num_workers='auto' with a validation pass of {gaps['gap_s']:g} s after every epoch (another "
-             f"gloader loader runs while the training loader waits); training samples/s over epochs 2-"
-             f"{gaps['epochs']}, median (min-max)", "",
+    passes = ", ".join(f"{work} {gaps[work]['batches']} batches an epoch and {gaps[work].get('val_batches', '?')} a "
+                       "pass" for work in works)
+    lines = ["", "num_workers='auto' with a validation pass after every epoch (another gloader loader, one worker, "
+             f"takes its batches while the training loader waits; {passes}); training samples/s over epochs 2-"
+             f"{gaps['epochs']}, the passes' time included, median (min-max)", "",
              "| workload | " + " | ".join(GAP_LOADERS) + " | auto / best fixed count, per round | auto ended with |",
              "|---|" + "---|" * (len(GAP_LOADERS) + 2)]
     for work in works:
@@ -111,4 +122,9 @@ def report_gaps(results: dict[str, Any]) -> list[str]:
         ended = f"{statistics.median(counts):g} ({min(counts)}-{max(counts)}) workers" if counts else ""
         lines.append(f"| {work} | " + " | ".join(summary(got["samples_per_s"][name]) for name in GAP_LOADERS)
                      + f" | **{summary(got['auto_over_best'])}x** | {ended} |")
+    for work in works:
+        if "validation_per_s" in gaps[work]:  # results written before it was measured have none
+            beside = gaps[work]["validation_per_s"]
+            lines += ["", f"{work}: the validation loader's samples/s during the passes, beside "
+                      + ", ".join(f"{name} {summary(beside[name]).strip()}" for name in GAP_LOADERS)]
     return lines
