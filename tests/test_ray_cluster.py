@@ -14,7 +14,7 @@ from gloader import DataLoader, RayPool
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(900)  # three nodes' processes start slowly on a loaded machine
 
 
 @pytest.fixture(scope="module")
