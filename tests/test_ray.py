@@ -12,11 +12,11 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 import torch
-from conftest import dev_shm_names
 
 import gloader
 from gloader import BatchTimeoutError, DataLoader, RayPool
 from gloader.sampler import DistributedSampler
+from tests.conftest import dev_shm_names
 
 ray = pytest.importorskip("ray")
 
