@@ -31,7 +31,6 @@ import torch
 
 from . import _registry
 from ._checks import check_positive_int
-from ._fetch import Cursor
 from ._protocol import Loaded, StreamRequest, WorkerExitedError
 from ._registry import Payload
 from ._tree import as_torch_dtype, map_structure
@@ -81,15 +80,10 @@ class RayWorker:
 
     def run(self, epoch: int, batches: tuple[tuple[int, int, Any], ...]) -> list[Any]:
         """Load the task's batches; one answer per batch (Loaded, ShardEnd or WorkerFailure)."""
-        registration = _registry.lookup(self._loader_id)
-        answers = []
-        for number, seed, work in batches:
-            if registration is None:  # pragma: no cover - registration never raises
-                exc = RuntimeError(f"gloader Ray worker has no loader {self._loader_id} registered")
-                answers.append(self._state.failure(exc, "", "", number, Cursor().key))
-                continue
-            answers.append(execute(self._state, registration, self._loader_id, epoch, number, seed, work, None))
-        return answers
+        registration = _registry.lookup(self._loader_id)  # registered at construction, which never fails
+        assert registration is not None
+        return [execute(self._state, registration, self._loader_id, epoch, number, seed, work, None)
+                for number, seed, work in batches]
 
 
 class RayPool:

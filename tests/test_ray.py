@@ -96,9 +96,19 @@ def test_batches_are_bit_identical_to_in_process_loading(workers: int) -> None:
         actors = actors_of(loader)
         assert len(actors) == workers
         assert loader.stats()["workers"]["count"] == workers
+        assert loader.stats()["workers"]["kind"] == "Ray actors"
     assert all(_equal(a, b) for a, b in zip(got, expected))
     assert not _equal(got[0], got[1])  # two epochs, two orders
     assert all(_ended(actor) for actor in actors)
+
+
+def test_a_cluster_too_small_for_the_actors_is_named_and_the_loader_runs_on_those_placed() -> None:
+    kwargs = dict(batch_size=4, shuffle=True, seed=2)
+    expected = _reference(Draws(), epochs=1, **kwargs)[0]
+    with DataLoader(Draws(), pool=RayPool(3, num_cpus=2), **kwargs) as loader:  # 6 CPUs of the instance's 4
+        with pytest.warns(RuntimeWarning, match="reserves 6 CPUs .* the Ray cluster has 4"):
+            got = list(loader)
+    assert _equal(got, expected)
 
 
 def test_batches_are_tensors_viewing_the_object_store_and_the_caller_may_write_them() -> None:

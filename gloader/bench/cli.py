@@ -285,8 +285,9 @@ def run(quick: bool, rounds: int, only: set[str] | None = None) -> dict[str, Any
         if with_ray:  # whole epochs: W3 on fewer samples, W8 on its 2,000 JPEGs
             on_ray = {w.name: w for w in _workloads(size, scale, {"W8"}, {}, cleanup)}
             on_ray_sets = {"W3": (CpuBoundDataset(int(W3_SAMPLES * scale), size), 32)}
-            if "W8" in on_ray:
-                on_ray_sets["W8"] = (datasets.get("W8") or on_ray["W8"].make(), on_ray["W8"].batch_size)
+            if "W8" in on_ray:  # the JPEGs W8 wrote, else written now
+                jpegs = datasets["W8"] if "W8" in datasets else on_ray["W8"].make()
+                on_ray_sets["W8"] = (jpegs, on_ray["W8"].batch_size)
             results["W12"] = measure_ray(on_ray_sets, quick, ray_rounds, progress.step)
         if only is not None and "W7" in only:
             from .device import measure_device_transfer
