@@ -69,6 +69,12 @@ _RECENT_SIZES = 64
 _OVERSIZED = 4
 
 
+def _capacity_for(room: int) -> int:
+    """The capacity a new slot gets for `room` bytes of batches: with headroom, its segment
+    rounded up to whole pages (so a slot for tiny batches is a page, never "oversized")."""
+    return round_up(HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES) - HEADER_BYTES
+
+
 def _out_of_memory(needed: int, exc: OSError) -> OSError:
     return OSError(exc.errno, f"could not reserve {needed / 2**20:.1f} MiB of shared memory for a batch "
                               f"({os.strerror(exc.errno or 0)}): the memory limit of the machine or container is "
@@ -251,7 +257,7 @@ class SlotPool:
                 needed = max(needed, round_up(self._sizes[-1], ALIGN_BYTES))
             self._most_batches = max(self._most_batches, batches, most)
             room = max(needed, self._room())
-            for unfit in [free for free in self._free if free.capacity > _OVERSIZED * room]:
+            for unfit in [free for free in self._free if free.capacity > _OVERSIZED * _capacity_for(room)]:
                 self._free.remove(unfit)  # sized for batches long gone
                 self._retire(unfit)
             for found in reversed(self._free):  # the most recently freed first: its pages are likeliest cached
@@ -261,8 +267,7 @@ class SlotPool:
             for small in list(self._free):  # all smaller than what is coming: replaced by bigger ones
                 self._free.remove(small)
                 self._retire(small)
-        size = round_up(HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES)
-        made = _Lendable(*_create_segment(size, register=self._register))
+        made = _Lendable(*_create_segment(HEADER_BYTES + _capacity_for(room), register=self._register))
         with self._lock:
             return self._adopt(made, batches)
     def _room(self) -> int:
@@ -399,7 +404,7 @@ class SlotPool:
                 return
             lent.released = []
             if self._closed or lent.fd < 0 or lent.probe or len(self._free) >= self._max_spare \
-                    or lent.capacity > _OVERSIZED * self._room():  # sized for batches long gone
+                    or lent.capacity > _OVERSIZED * _capacity_for(self._room()):  # sized for batches long gone
                 self._retire(lent)
             else:
                 self._free.append(lent)

@@ -109,6 +109,22 @@ def test_slot_is_reused_only_after_the_last_view_dies(slots) -> None:
     assert (third == 3.0).all()
 
 
+def test_slots_for_batches_far_smaller_than_a_page_are_reused(slots) -> None:
+    # A slot is at least a page: batches of 64 bytes must not make it "oversized" and retired
+    # as it comes back, which created and unmapped a segment for every batch.
+    pool, maps = slots
+    _round_trip(batchify.default_batchify_fn, [np.zeros(4, np.float32)] * 4, pool, maps)  # the probe
+    gc.collect()
+    for value in range(3):
+        _round_trip(batchify.default_batchify_fn, [np.full(4, value, np.float32)] * 4, pool, maps)
+    created = pool.segments_created
+    for value in range(20):
+        batch = _round_trip(batchify.default_batchify_fn, [np.full(4, value, np.float32)] * 4, pool, maps)
+        assert (batch == value).all()
+        del batch
+    assert pool.segments_created == created
+
+
 def test_growing_batches_replace_small_slots_and_surplus_is_retired(slots) -> None:
     pool, maps = slots
     held = [_round_trip(batchify.default_batchify_fn, [np.zeros(n)] * 2, pool, maps) for n in (10, 10, 10)]
