@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterator, Protocol
 
@@ -136,6 +137,9 @@ class OnPool:
         # persistent workers keep theirs whatever happens to the caller's.
         self.copies_dataset = slots is not None and not persistent_workers
         self._ready_looked = 0.0  # when the tuner last looked whether a resize is done
+        # Set by the pool as any task of this loader progresses and when a worker exits: the
+        # engine sleeps on it until then or the batch's deadline (see Task.wait).
+        self._progress = threading.Event()
 
     def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None:
         """Count a batch collected in the tuner's window; resize the pool when it decides to."""
@@ -176,7 +180,7 @@ class OnPool:
         return True
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> Any:
-        return self.core.submit(args, on_ready)
+        return self.core.submit(args, on_ready, self._progress)
 
     def find_dead_worker(self) -> str | None:
         return self.core.find_dead_worker(self._loader_id)

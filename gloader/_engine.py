@@ -70,9 +70,10 @@ __all__ = ["Collected", "Engine"]
 
 _UNREACHABLE = f"{SharedMemoryUnreachableError.__module__}.{SharedMemoryUnreachableError.__qualname__}"
 
-# How long one wait lasts before worker exit codes and the deadline are checked again.
-# Longer: fewer wake-ups; shorter: a dead worker is reported sooner (the error reaches the
-# caller within about this plus stopping the other workers, ~10 ms: under 60 ms at 0.04).
+# How long one wait lasts, on a task whose pool does not wake the caller when a worker exits
+# or another task finishes (thread workers, in-process, Ray), before the deadline and, with
+# in_order=False, the other tasks are looked at again. Longer: fewer wake-ups; shorter: a
+# batch that finished out of order is taken sooner.
 _POLL_S = 0.04
 
 
@@ -356,7 +357,9 @@ class Engine:
             if self._backend is not None and self._backend.slots is not None:
                 self._backend.slots.want(task.slot, position + 1)  # its worker sends it as soon as it is written
         deadline = task.waited[1] + self._config.timeout_s
-        while not task.wait(self.slots, _POLL_S):
+        # A task whose pool rings on progress and on worker exits is slept on until its batch's
+        # deadline; others (threads, in-process, Ray) are looked at every _POLL_S.
+        while not task.wait(self.slots, max(0.0, deadline - time.monotonic()) if task.rings else _POLL_S):
             self._check_workers(task)
             if give_up is not None and give_up():
                 return False

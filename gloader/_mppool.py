@@ -596,7 +596,7 @@ def _rebuild_queue(state: Any, atomic_reads: bool) -> Any:
 MODULE_NAMES = {
     "multiprocess.pool": ("worker", "RUN", "CLOSE", "TERMINATE", "job_counter", "ApplyResult", "Pool", "ThreadPool",
                           "Pool._setup_queues", "Pool._get_sentinels", "Pool._check_running",
-                          "Pool._repopulate_pool_static", "ApplyResult._set"),
+                          "Pool._repopulate_pool_static", "Pool._join_exited_workers", "ApplyResult._set"),
     "multiprocess.queues": ("SimpleQueue", "_ForkingPickler"),
     "multiprocess.process": ("_children",),
 }
@@ -666,7 +666,8 @@ def make_pool_class() -> type:
     3. Tasks are pickled with dill (~29 us per task tuple here) though gloader's are plain;
        the stdlib pickler takes ~1 us, and workers' dill reads stdlib pickles. Anything the
        stdlib pickler refuses still goes through dill.
-    gloader supervises its workers itself (`PoolCore.find_dead_worker`). Its `submit_task`
+    gloader supervises its workers itself (`PoolCore.find_dead_worker`), woken by their exits
+    (`_Workers`). Its `submit_task`
     is `apply_async` with a result that may come in parts (see send_partial).
     """
     # Over 40 lines: one class body, built lazily so that importing gloader does not import
@@ -698,12 +699,13 @@ def make_pool_class() -> type:
     class _TaskResult(mp_pool.ApplyResult):  # type: ignore[misc]
         """An AsyncResult whose task may send parts of its result before the end: `chunks`
         holds (arrival time, data) of each, in order, and is complete once `ready()`;
-        `progress` is set as each part, notice and the final value arrive (the caller clears it)."""
+        `progress` is set as each part, notice and the final value arrive, and when a worker
+        of the pool exits (the caller clears it; a loader's results may share one)."""
 
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
+        def __init__(self, pool: Any, callback: Any, progress: threading.Event | None) -> None:
+            super().__init__(pool, callback, None)
             self.chunks: list[tuple[float, Any]] = []
-            self.progress = threading.Event()
+            self.progress = progress or threading.Event()
 
         def _set(self, i: int, obj: Any) -> None:
             if i == _PARTIAL and obj[0]:
@@ -712,6 +714,20 @@ def make_pool_class() -> type:
             else:  # the final value, or a part that failed (a full disk): the task ends with it
                 super()._set(0, obj)
             self.progress.set()
+
+    class _Workers(list):  # type: ignore[type-arg]
+        """The pool's list of workers. Its maintenance thread sleeps on the workers' sentinels
+        and removes a worker here as soon as it has exited: then every result awaited is woken
+        (`progress`), so a waiting caller sees a death at once rather than by polling."""
+
+        cache: dict[Any, Any] | None = None  # the pool's results awaited, once it has them
+
+        def __delitem__(self, index: Any) -> None:
+            super().__delitem__(index)
+            for result in list((self.cache or {}).values()):
+                progress = getattr(result, "progress", None)
+                if progress is not None:
+                    progress.set()
 
     class _FastPool(mp_pool.Pool):  # type: ignore[misc]
         @property
@@ -733,6 +749,7 @@ def make_pool_class() -> type:
             self.started: collections.deque[Any] = collections.deque()
             super().__init__(_WorkerTarget(processes), *args, **kwargs)
             self._cache.__class__ = _QuietCache
+            self._pool.cache = self._cache
 
         def Process(self, ctx: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - multiprocess's name
             # multiprocess's own is a staticmethod, but it is only ever called as `self.Process`,
@@ -747,10 +764,12 @@ def make_pool_class() -> type:
             return [self._change_notifier._reader]
 
         def submit_task(self, func: Callable[..., Any], args: tuple[Any, ...],
-                        callback: Callable[[Any], None] | None = None) -> Any:
-            """`apply_async(func, args, callback=callback)` with a `_TaskResult`."""
+                        callback: Callable[[Any], None] | None = None,
+                        progress: threading.Event | None = None) -> Any:
+            """`apply_async(func, args, callback=callback)` with a `_TaskResult` that sets
+            `progress` (its own Event if None) as it makes progress."""
             self._check_running()
-            result = _TaskResult(self, callback, None)
+            result = _TaskResult(self, callback, progress)
             self._taskqueue.put(([(result._job, 0, func, args, {})], None))
             return result
 
@@ -759,6 +778,7 @@ def make_pool_class() -> type:
             super().close()  # wakes the maintenance thread, which sees whether tasks remain
 
         def _setup_queues(self) -> None:  # multiprocess's own, with queues that survive a killed worker
+            self._pool = _Workers()  # still empty: multiprocess sets it just before, and starts workers after
             queue_class = _make_queue_class()
             self._inqueue = queue_class(ctx=self._ctx, lock_dir=self._lock_dir, name="tasks", atomic_reads=True)
             self._outqueue = queue_class(ctx=self._ctx, lock_dir=self._lock_dir, name="results")

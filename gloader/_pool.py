@@ -203,9 +203,11 @@ class PoolCore:
     def _start(self, ctx: Any, registrations: list[tuple[int, Payload]]) -> None:
         raise NotImplementedError
 
-    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None) -> Any:
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
+               progress: threading.Event | None = None) -> Any:
         """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult.
-        `on_ready(result)` runs in the pool's result thread as the result arrives."""
+        `on_ready(result)` runs in the pool's result thread as the result arrives; process
+        pools set `progress` as the task progresses and when a worker exits (see ProcessCore)."""
         raise NotImplementedError
 
     @property
@@ -312,7 +314,8 @@ class ThreadCore(PoolCore):
                              generation=ctx.Value("i", 0, lock=False))
         self.pool = make_thread_pool(self.num_workers, initialize_thread_worker, (self.spec, registrations))
 
-    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None) -> Any:
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
+               progress: threading.Event | None = None) -> Any:
         return self.pool.apply_async(run_task, args, callback=on_ready)
 
     def join(self, loader_id: int, payload: Payload) -> None:
@@ -392,10 +395,12 @@ class ProcessCore(PoolCore):
             self.pool = make_pool_class()(self.num_workers, initializer=initialize_process_worker,
                                            initargs=(self.spec, registrations), context=ctx, lock_dir=self.payload_dir)
 
-    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None) -> Any:
+    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
+               progress: threading.Event | None = None) -> Any:
         """Queue one `_worker.run_task(*args)`; its result receives the parts a task sends
-        before its end in `chunks` (see `_mppool.send_partial`)."""
-        return self.pool.submit_task(run_task, args, on_ready)
+        before its end in `chunks` (see `_mppool.send_partial`), and sets `progress` as they
+        come and when a worker exits."""
+        return self.pool.submit_task(run_task, args, on_ready, progress)
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in pool_workers(self.pool)]

@@ -93,6 +93,12 @@ class Task:
         self.answers[position] = answer
         self.arrivals[position] = when
 
+    @property
+    def rings(self) -> bool:
+        """Whether the task's pool wakes a caller waiting on it (`wait`) when any task of the
+        loader progresses and when a worker exits: process pools do (see `_mppool._Workers`)."""
+        return getattr(self.result, "progress", None) is not None
+
     def wait(self, slots: SlotPool | None, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the next batch's answer; True once it is in (the caller
         has just looked: `receive`)."""

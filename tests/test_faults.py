@@ -12,15 +12,16 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import psutil
 import pytest
 
 import gloader
-from gloader import BatchTimeoutError, DataLoader, _pooldir
+from gloader import BatchTimeoutError, DataLoader, _pooldir, _task
 from tests import _data
 from tests.conftest import dev_shm_names, payload_dirs, segment_sizes, semaphore_names, wait_until
 
@@ -40,6 +41,50 @@ def test_dead_worker_raises_within_two_seconds_naming_pid_signal_batch_and_cause
                                                                                    says: str) -> None:
     with DataLoader(_data.DiesAt(bad=20, how=how), batch_size=4, num_workers=2, start_method=start_method) as loader:
         _check_dead_worker_report(loader, says)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(shared: bool, monkeypatch) -> None:
+    # The caller sleeps on its tasks until its batch's deadline; the pool's maintenance thread,
+    # woken by the worker's exit, wakes it. A caller that polled would look again every slice.
+    looks: list[float] = []
+    entered = threading.Event()
+    original = _task.Task.wait
+
+    def counted(task: _task.Task, slots: Any, timeout_s: float) -> bool:
+        looks.append(timeout_s)
+        entered.set()
+        return original(task, slots, timeout_s)
+
+    monkeypatch.setattr(_task.Task, "wait", counted)
+    pool = gloader.WorkerPool(1) if shared else None
+    try:
+        with DataLoader(_data.Sleepy(slow=4, seconds=60.0), batch_size=2, num_workers=1, pool=pool,
+                        timeout=60) as loader:
+            it = iter(loader)
+            next(it), next(it)
+            pid = loader.worker_pids()[0]
+            entered.clear()
+            looks.clear()
+            seen: list[int] = []
+
+            def kill() -> None:
+                if entered.wait(30):  # the caller waits for batch 2, stuck in its worker
+                    threading.Event().wait(0.5)  # what it does meanwhile, while nothing happens
+                    seen.append(len(looks))
+                    os.kill(pid, signal.SIGKILL)
+
+            killer = threading.Thread(target=kill)
+            killer.start()
+            started = time.monotonic()
+            with pytest.raises(gloader.WorkerExitedError, match=rf"pid {pid}\) is killed by signal: Killed"):
+                next(it)
+            killer.join(5)
+            assert seen == [1]  # one look, woken by the death: no polling while it waited
+            assert time.monotonic() - started < 30  # by the death, not the 60 s timeout
+    finally:
+        if pool is not None:
+            pool.close()
 
 
 def _check_dead_worker_report(loader: DataLoader, says: str) -> None:
