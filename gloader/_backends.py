@@ -12,6 +12,7 @@ import functools
 import logging
 import threading
 import time
+import types
 from typing import Any, Callable, Iterator, Protocol
 
 from ._caller_slots import SlotPool
@@ -94,6 +95,7 @@ class InProcess:
 
     # Nothing runs elsewhere: no copy of the dataset, no workers to watch, tune or forget.
     copies_dataset = False
+    exits = types.SimpleNamespace(exited=0)  # nothing runs elsewhere to exit
     owns_workers = True
     has_workers = False
 
@@ -137,9 +139,13 @@ class OnPool:
         # persistent workers keep theirs whatever happens to the caller's.
         self.copies_dataset = slots is not None and not persistent_workers
         self._ready_looked = 0.0  # when the tuner last looked whether a resize is done
+        self.exits = core.exits
         # Set by the pool as any task of this loader progresses and when a worker exits: the
         # engine sleeps on it until then or the batch's deadline (see Task.wait).
         self._progress = threading.Event()
+        # `submit(args, on_ready)`: the core's, called straight (one call less per task).
+        self.submit: Callable[[tuple[Any, ...], Callable[[Any], None]], Any] = functools.partial(
+            core.submit, progress=self._progress)
 
     def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None:
         """Count a batch collected in the tuner's window; resize the pool when it decides to."""
@@ -178,9 +184,6 @@ class OnPool:
         if self.owns_workers:
             self.core.forget_after_fork()
         return True
-
-    def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> Any:
-        return self.core.submit(args, on_ready, self._progress)
 
     def find_dead_worker(self) -> str | None:
         return self.core.find_dead_worker(self._loader_id)
@@ -244,6 +247,9 @@ class Backend(Protocol):
     copies_dataset: bool  # workers hold a copy of the dataset, taken when they started
     owns_workers: bool  # the workers are the loader's own (not a shared pool's)
     has_workers: bool  # anything runs outside the caller's thread
+    # Its `exited` counts worker exits seen so far, read without a call: the engine asks
+    # `find_dead_worker` only after it grew.
+    exits: Any
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> Any: ...
 

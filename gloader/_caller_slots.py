@@ -44,6 +44,7 @@ from ._segment import (
     Slot,
     c_library,
     map_fd,
+    numpy_twin,
     tensor_at,
 )
 
@@ -72,7 +73,8 @@ _OVERSIZED = 4
 def _capacity_for(room: int) -> int:
     """The capacity a new slot gets for `room` bytes of batches: with headroom, its segment
     rounded up to whole pages (so a slot for tiny batches is a page, never "oversized")."""
-    return round_up(HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8, _PAGE_BYTES) - HEADER_BYTES
+    return (HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8 + _PAGE_BYTES - 1) // _PAGE_BYTES * _PAGE_BYTES \
+        - HEADER_BYTES
 
 
 def _out_of_memory(needed: int, exc: OSError) -> OSError:
@@ -104,13 +106,15 @@ def _create_segment(size: int, reserve: bool = True, register: Register | None =
         raise
 
 
-_DTYPES: dict[str, torch.dtype] = {}
+# dtype name -> (torch's dtype, numpy's twin of it or None: see `_segment.tensor_at`)
+_DTYPES: dict[str, tuple[torch.dtype, np.dtype[Any] | None]] = {}
 
 
-def _dtype(name: str) -> torch.dtype:
+def _dtype(name: str) -> tuple[torch.dtype, np.dtype[Any] | None]:
     found = _DTYPES.get(name)
     if found is None:
-        found = _DTYPES[name] = getattr(torch, name)
+        dtype = getattr(torch, name)
+        found = _DTYPES[name] = (dtype, numpy_twin(dtype))
     return found
 
 
@@ -118,9 +122,11 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
     kind = spec[0]
     if kind == "t":
         _, start, shape, dtype_name = spec
-        dtype = _dtype(dtype_name)
+        dtype, twin = _DTYPES.get(dtype_name) or _dtype(dtype_name)
         if math.prod(shape) == 0:  # holds no bytes: need not keep the slot taken
             return torch.empty(shape, dtype=dtype)
+        if twin is not None:  # tensor_at's way, without a call per tensor into another module
+            return torch.from_numpy(np.ndarray(shape, twin, base, start))
         return tensor_at(base, start, shape, dtype)
     if kind == "o":
         return spec[1]
@@ -228,6 +234,10 @@ class SlotPool:
         # The latest batch sizes, in arrival order and sorted: what lent slots must hold.
         self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_SIZES)
         self._sizes: list[int] = []
+        # A batch size that most recent batches do not exceed (7 in 8 of them), aligned as
+        # batches are placed; and the largest recent one, aligned (both kept by _note_size).
+        self._typical = 0
+        self._largest = 0
         self._most_batches = 1  # the most batches lent with one slot so far
         # Pages of page-locked slots (register) are never given back: a device copy reads them.
         self._punchable = register is None
@@ -252,9 +262,9 @@ class SlotPool:
             # What the task's batches need: each as large as most recent ones (7 in 8); a task of
             # one batch, room for the largest recent one too. An odd larger batch among many small
             # ones travels in its handle rather than size every slot of the window.
-            needed = batches * (self._typical() + ANSWER_BYTES)
+            needed = batches * (self._typical + ANSWER_BYTES)
             if batches == 1:
-                needed = max(needed, round_up(self._sizes[-1], ALIGN_BYTES))
+                needed = max(needed, self._largest)
             self._most_batches = max(self._most_batches, batches, most)
             room = max(needed, self._room())
             for unfit in [free for free in self._free if free.capacity > _OVERSIZED * _capacity_for(room)]:
@@ -275,12 +285,8 @@ class SlotPool:
         carries, which the engine keeps within TASK_BYTES unless one batch alone is larger, so
         an earlier task's count of small batches does not multiply a large one (a task of one
         large batch asks for its size in `acquire`)."""
-        return max(self._typical(), min(self._most_batches * self._typical(), TASK_BYTES)) + \
+        return max(self._typical, min(self._most_batches * self._typical, TASK_BYTES)) + \
             self._most_batches * ANSWER_BYTES
-    def _typical(self) -> int:
-        """A batch size that most recent batches do not exceed (7 in 8 of them; call holding
-        the lock), aligned as batches are placed."""
-        return round_up(self._sizes[len(self._sizes) * 7 // 8], ALIGN_BYTES) if self._sizes else 0
     def _lend_probe(self, batches: int) -> Slot | None:
         """A slot for the first window, before any batch's size is known (call holding the
         lock). Its size is a guess, PROBE_BYTES of which only the pages written are used,
@@ -337,7 +343,7 @@ class SlotPool:
             while lent.answers_read < lent.header[ANSWERS]:
                 end = lent.answers_end
                 size, position, record_lend, check = TRAILER.unpack_from(view, end - TRAILER.size)
-                start = end - TRAILER.size - round_up(size, 8)
+                start = end - TRAILER.size - (size + 7) // 8 * 8  # records are 8-byte aligned
                 if record_lend != lend or start < HEADER_BYTES:
                     break  # not all of it is visible yet: the next look takes it
                 answer = bytes(view[start:start + size])
@@ -459,3 +465,5 @@ class SlotPool:
                 del self._sizes[bisect.bisect_left(self._sizes, self._recent[0])]
             self._recent.append(total)
             bisect.insort(self._sizes, total)
+            self._typical = -(-self._sizes[len(self._sizes) * 7 // 8] // ALIGN_BYTES) * ALIGN_BYTES
+            self._largest = -(-self._sizes[-1] // ALIGN_BYTES) * ALIGN_BYTES

@@ -70,12 +70,6 @@ __all__ = ["Collected", "Engine"]
 
 _UNREACHABLE = f"{SharedMemoryUnreachableError.__module__}.{SharedMemoryUnreachableError.__qualname__}"
 
-# How long one wait lasts, on a task whose pool does not wake the caller when a worker exits
-# or another task finishes (thread workers, in-process, Ray), before the deadline and, with
-# in_order=False, the other tasks are looked at again. Longer: fewer wake-ups; shorter: a
-# batch that finished out of order is taken sooner.
-_POLL_S = 0.04
-
 
 class Collected(NamedTuple):
     """A collected batch (or a stream's `ShardEnd`) with where its time went, in seconds:
@@ -107,6 +101,7 @@ class Engine:
         self._loader_id = loader_id
         self._make_payload = make_payload
         self._backend: Backend | None = None
+        self._exits_seen = -1  # the backend's `exits.exited` when deaths were last looked for
         self._tasks: collections.deque[Task] = collections.deque()  # in flight, in dispatch order
         self._discarded: list[Task] = []  # no longer wanted; their slots come back as they finish
         self._held: Job | None = None  # taken from the schedule, of another epoch than the task being filled
@@ -169,6 +164,7 @@ class Engine:
             if self._closed:
                 raise RuntimeError("this DataLoader is closed; create a new one")
             self._backend = start(self._config, self._loader_id, self._make_payload, self.worker_count)
+            self._exits_seen = -1  # a shared pool's deaths before this loader joined: looked for once
             if self.tuner is not None:
                 self.tuner.resized()
             if self._backend.copies_dataset:
@@ -199,7 +195,7 @@ class Engine:
         workers (they share the caller's memory: nothing to gain), else see `_sizing`."""
         if self._backend is None or self._backend.slots is None:
             return 1
-        return self._sizer.batches_per_task()
+        return self._sizer.per_task
 
     def fill(self, next_job: Callable[[], Job | None]) -> None:
         """Dispatch jobs from `next_job` until the window is full or it has none."""
@@ -229,10 +225,9 @@ class Engine:
                 jobs.append(job)
             slot = None
             if slots is not None:
-                slot = slots.acquire(len(jobs), self._sizer.most_per_task() if per_task > 1 else 1)
+                slot = slots.acquire(len(jobs), self._sizer.most_per_task if per_task > 1 else 1)
             task = Task(jobs, slot)
-            batches = tuple((job.number, job.seed, job.work) for job in jobs)
-            args: tuple[Any, ...] = (self._loader_id, first.epoch, batches, task.slot)
+            args: tuple[Any, ...] = (self._loader_id, first.epoch, task.batches, task.slot)
             if self._config.thread_pool:  # threads share this process: a task nobody collects is skipped
                 task.cancel = [False]
                 args += (task.cancel,)
@@ -318,10 +313,8 @@ class Engine:
 
     def _has_next(self, task: Task) -> bool:
         """Whether the answer of `task`'s next batch is in, without waiting."""
-        if not task.has_next:
-            with self._failing(task):
-                task.receive(self.slots)
-        return task.has_next
+        with self._failing(task):
+            return task.ready(self.slots)
 
     def _await(self, task: Task, give_up: Callable[[], bool] | None = None) -> bool:
         """Wait for the answer of `task`'s next batch; on a failure the task leaves the window.
@@ -352,14 +345,13 @@ class Engine:
         """Wait until the answer of `task`'s next batch is in (True) or `give_up()` is true
         (False). The timeout is the batch's: it runs from when the caller began waiting for it."""
         position = task.taken
+        slots = self.slots
         if task.waited is None or task.waited[0] != position:
             task.waited = (position, time.monotonic())
-            if self._backend is not None and self._backend.slots is not None:
-                self._backend.slots.want(task.slot, position + 1)  # its worker sends it as soon as it is written
+            if slots is not None:
+                slots.want(task.slot, position + 1)  # its worker sends it as soon as it is written
         deadline = task.waited[1] + self._config.timeout_s
-        # A task whose pool rings on progress and on worker exits is slept on until its batch's
-        # deadline; others (threads, in-process, Ray) are looked at every _POLL_S.
-        while not task.wait(self.slots, max(0.0, deadline - time.monotonic()) if task.rings else _POLL_S):
+        while not task.wait(slots, max(0.0, deadline - time.monotonic())):
             self._check_workers(task)
             if give_up is not None and give_up():
                 return False
@@ -374,8 +366,13 @@ class Engine:
         return True
 
     def _check_workers(self, task: Task) -> None:
-        """Raise WorkerExitedError when a worker process has died since the last check."""
-        dead = self._backend.find_dead_worker() if self._backend is not None else None
+        """Raise WorkerExitedError when a worker process has died since the last check (looked
+        for only when a worker exited since then)."""
+        backend = self._backend
+        if backend is None or backend.exits.exited == self._exits_seen:
+            return
+        self._exits_seen = backend.exits.exited
+        dead = backend.find_dead_worker()
         if dead is not None:
             raise WorkerExitedError(f"{dead}. The loader was waiting for batch {task.next_job.number} of epoch "
                                     f"{task.epoch}; its workers are stopped and the next epoch starts anew.")

@@ -191,6 +191,7 @@ class EpochIterator:
         self._replaced_by = ""
         self._bar = ProgressBar(epoch.number, epoch.remaining, engine.describe_workers) if config.progress else None
         self._config = config
+        self._pins = config.pin_thread  # batches go through a pin thread
         self._pinner: PinThread | None = None  # started by the first next(): a probe iter() fetches nothing
         # A stream's len(dataset) once the caller has taken len(loader) (None before): more
         # samples than that are worth a warning (see _warn_past_reported_length).
@@ -279,7 +280,7 @@ class EpochIterator:
                       f"{cause} Seen at batch {self.yielded} of epoch {self.epoch.number}.", UserWarning, stacklevel=3)
 
     def _host_batch(self) -> Any:
-        if not self._config.pin_thread:
+        if not self._pins:
             return self._host.next()
         if self._pinner is None:
             self._pinner = PinThread(self, self._config.pin_device_id, self._config.timeout_s)

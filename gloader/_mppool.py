@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 __all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_RETIRED", "EXIT_TASKS_CLOSED", "MODULE_NAMES",
-           "POOL_ATTRIBUTES", "QUEUE_ATTRIBUTES", "check_multiprocess", "disk_full", "forget_pool_after_fork",
+           "POOL_ATTRIBUTES", "QUEUE_ATTRIBUTES", "check_multiprocess", "disk_full", "exit_counter", "forget_pool_after_fork",
            "forget_task", "is_retire_task", "make_pool_class", "make_thread_pool", "missing_multiprocess_names",
            "on_result_sent", "on_task_taken", "on_task_wanted", "pool_resizing", "pool_running", "pool_workers",
            "ProcessLock", "release_pool_files", "resize_pool", "send_partial", "stop_maintenance"]
@@ -332,6 +332,12 @@ def pool_running(pool: Any) -> bool:
     from multiprocess.pool import RUN
 
     return bool(pool._state == RUN)
+
+
+def exit_counter(pool: Any) -> Any:
+    """What counts a process pool's worker exits as its maintenance thread sees them: its
+    `exited` grows by one each time (read it as an attribute, without a call)."""
+    return pool._pool
 
 
 def pool_workers(pool: Any) -> list[Any]:
@@ -721,9 +727,11 @@ def make_pool_class() -> type:
         (`progress`), so a waiting caller sees a death at once rather than by polling."""
 
         cache: dict[Any, Any] | None = None  # the pool's results awaited, once it has them
+        exited = 0  # workers removed after their exit so far: a caller looks for deaths once it grows
 
         def __delitem__(self, index: Any) -> None:
             super().__delitem__(index)
+            self.exited += 1
             for result in list((self.cache or {}).values()):
                 progress = getattr(result, "progress", None)
                 if progress is not None:

@@ -20,6 +20,7 @@ import pickle
 import signal
 import threading
 import time
+import types
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -31,6 +32,7 @@ from ._mppool import (
     EXIT_TASKS_CLOSED,
     ProcessLock,
     disk_full,
+    exit_counter,
     forget_pool_after_fork,
     forget_task,
     make_pool_class,
@@ -174,6 +176,10 @@ class PoolCore:
 
     is_thread = False
     status: StatusTable | None = None  # process pools: what each worker is doing
+    # Its `exited` counts the workers that exited so far (see `_mppool.exit_counter`): a
+    # caller looks for deaths (`find_dead_worker`) only once it grew. Threads do not exit
+    # apart from the caller.
+    exits: Any = types.SimpleNamespace(exited=0)
     pool: Any
 
     def __init__(self, num_workers: int, start_method: str | None, registrations: list[tuple[int, Payload]],
@@ -394,6 +400,7 @@ class ProcessCore(PoolCore):
         with _sigint_blocked():
             self.pool = make_pool_class()(self.num_workers, initializer=initialize_process_worker,
                                            initargs=(self.spec, registrations), context=ctx, lock_dir=self.payload_dir)
+        self.exits = exit_counter(self.pool)
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
                progress: threading.Event | None = None) -> Any:

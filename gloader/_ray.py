@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import types
 import warnings
 from typing import Any, Callable
 
@@ -248,6 +249,7 @@ class OnRay:
     """Runs a loader's tasks on its Ray actors (see the module's docstring)."""
 
     slots = None  # batches come through Ray's object store
+    exits = types.SimpleNamespace(exited=0)  # a lost actor's tasks run again elsewhere: no death to report
     has_workers = True
     owns_workers = True
 

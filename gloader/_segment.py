@@ -40,7 +40,7 @@ import torch
 
 __all__ = ["ALIGN_BYTES", "ANSWERS", "ANSWER_BYTES", "HEADER_BYTES", "Handle", "Header", "PROBE_BYTES", "RETIRED",
            "Register", "SEGMENT_NAME", "Segment", "Slot", "TOKEN", "TRAILER", "WANTED", "WRITTEN", "c_library", "map_fd",
-           "tensor_at"]
+           "numpy_twin", "tensor_at"]
 
 
 # Leaves start on 64-byte boundaries: any dtype view is aligned, and no two leaves share a
@@ -125,7 +125,7 @@ def map_fd(fd: int, size: int, register: Register | None = None) -> Segment:
 _TWINS: dict[torch.dtype, np.dtype[Any] | None] = {}
 
 
-def _numpy_twin(dtype: torch.dtype) -> np.dtype[Any] | None:
+def numpy_twin(dtype: torch.dtype) -> np.dtype[Any] | None:
     """numpy's dtype for a torch dtype; None where numpy has none (bfloat16)."""
     try:
         return _TWINS[dtype]
@@ -143,7 +143,7 @@ def tensor_at(buffer: Any, start: int, shape: tuple[int, ...], dtype: torch.dtyp
     """A tensor of `shape` and `dtype` viewing `buffer` (bytes-like or a uint8 array) from byte
     `start`: one numpy view made in one call, then one tensor, ~3x faster than torch slicing
     and views; a dtype numpy lacks (bfloat16) is viewed as bytes and reinterpreted by torch."""
-    twin = _numpy_twin(dtype)
+    twin = numpy_twin(dtype)
     if twin is not None:
         return torch.from_numpy(np.ndarray(shape, twin, buffer, start))
     nbytes = math.prod(shape) * dtype.itemsize

@@ -36,27 +36,23 @@ def key_bytes(work: Any) -> int:
 
 
 class TaskSizer:
-    """Running estimates of a batch's worker time and bytes, and the task sizes they give."""
+    """Running estimates of a batch's worker time and bytes, and the task sizes they give:
+    `per_task`, how many batches the next task carries (see _TASK_TARGET_S), and
+    `most_per_task`, the most a task may carry by their size alone (plain attributes, kept
+    by `estimate`: the engine reads them for every task)."""
 
     def __init__(self) -> None:
         self.batch_cost_s = 0.0  # 0: unknown
         self.batch_bytes = 0.0
-
-    def batches_per_task(self) -> int:
-        """How many batches the next task carries (see _TASK_TARGET_S)."""
-        if self.batch_cost_s <= 0.0:
-            return 1
-        count = int(_TASK_TARGET_S / self.batch_cost_s)
-        return max(1, min(count, self.most_per_task()))
-
-    def most_per_task(self) -> int:
-        """The most batches a task may carry, by their size alone."""
-        if self.batch_bytes <= 0.0:
-            return _MAX_BATCHES_PER_TASK
-        return max(1, min(_MAX_BATCHES_PER_TASK, int(TASK_BYTES / self.batch_bytes)))
+        self.per_task = 1
+        self.most_per_task = _MAX_BATCHES_PER_TASK
 
     def estimate(self, message: Loaded, size: int) -> None:
         """Update the estimates with a batch collected (`size`: its bytes)."""
         cost = message.fetch_s + message.batchify_s
         self.batch_cost_s += (cost - self.batch_cost_s) * (_ESTIMATE_WEIGHT if self.batch_cost_s else 1.0)
         self.batch_bytes += (size - self.batch_bytes) * (_ESTIMATE_WEIGHT if self.batch_bytes else 1.0)
+        if self.batch_bytes > 0.0:
+            self.most_per_task = max(1, min(_MAX_BATCHES_PER_TASK, int(TASK_BYTES / self.batch_bytes)))
+        if self.batch_cost_s > 0.0:
+            self.per_task = max(1, min(int(_TASK_TARGET_S / self.batch_cost_s), self.most_per_task))

@@ -8,9 +8,22 @@ from typing import Any, Callable
 from ._caller_slots import SlotPool
 from ._protocol import Job, decode_answers
 from ._segment import Slot
-from ._waits import ctrl_c_as_itself
+from ._waits import as_ctrl_c
 
 __all__ = ["Task"]
+
+# How long one wait lasts, on a task whose pool does not ring when a worker exits or another
+# task finishes (thread workers, in-process, Ray), before the engine looks at the deadline
+# and, with in_order=False, at the other tasks again. Longer: fewer wake-ups; shorter: a
+# batch that finished out of order is taken sooner.
+_POLL_S = 0.04
+
+
+def _marker(arrived: list[float]) -> Callable[[Any], None]:
+    def mark(value: Any) -> None:
+        arrived[0] = time.monotonic()
+
+    return mark
 
 
 class Task:
@@ -19,18 +32,22 @@ class Task:
     publishes each in the slot as soon as its batch is written (see `_segment`), and sends
     what did not fit there by message."""
 
-    __slots__ = ("jobs", "slot", "result", "submitted", "arrived", "answers", "arrivals", "parts", "done", "taken",
-                 "waited", "cancel")
+    __slots__ = ("jobs", "epoch", "batches", "slot", "result", "submitted", "arrived", "mark_arrived", "answers", "arrivals",
+                 "parts", "done", "taken", "waited", "cancel")
 
     def __init__(self, jobs: list[Job], slot: Slot | None) -> None:
         self.jobs = jobs
+        self.epoch = jobs[0].epoch
+        self.batches = tuple((job.number, job.seed, job.work) for job in jobs)  # as the task sends them
         self.slot = slot
         self.result: Any = None
         self.submitted = time.monotonic()
-        # When the final result arrived, set by the pool's result thread through `mark_arrived`.
-        # A list, not an attribute: the pool keeps the callback, and a callback bound to the
-        # task would tie the task, its result and the pool into a cycle (pipes open until gc).
+        # When the final result arrived, set by the pool's result thread through `mark_arrived`
+        # (the callback given with the task). A list, not an attribute, and a callback that
+        # holds only it: the pool keeps the callback, and one bound to the task would tie the
+        # task, its result and the pool into a cycle (pipes open until gc).
         self.arrived = [0.0]
+        self.mark_arrived = _marker(self.arrived)
         self.answers: dict[int, Any] = {}  # position in the task -> answer, received and not collected
         self.arrivals: dict[int, float] = {}  # position -> when it arrived (0.0: not known, in-process)
         self.parts = 0  # parts of the result (`result.chunks`) taken in
@@ -43,10 +60,6 @@ class Task:
         self.cancel: list[bool] | None = None
 
     @property
-    def epoch(self) -> int:
-        return self.jobs[0].epoch
-
-    @property
     def next_job(self) -> Job:
         return self.jobs[self.taken]
 
@@ -55,14 +68,11 @@ class Task:
         """The answer of the next batch to collect is in (see `receive`)."""
         return self.taken in self.answers
 
-    @property
-    def mark_arrived(self) -> Callable[[Any], None]:
-        arrived = self.arrived
-
-        def mark(value: Any) -> None:
-            arrived[0] = time.monotonic()
-
-        return mark
+    def ready(self, slots: SlotPool | None) -> bool:
+        """Whether the answer of the next batch to collect is in, taking in what arrived."""
+        if self.taken not in self.answers:
+            self.receive(slots)
+        return self.taken in self.answers
 
     def receive(self, slots: SlotPool | None) -> None:
         """Take in the answers that arrived since the last look: published in the slot, sent
@@ -85,34 +95,35 @@ class Task:
         if ready:
             value = result.get(0)
             self.done = True
-            # process workers: (position, answer) of those not published; threads, in-process: all
-            for position, answer in decode_answers(value) if isinstance(value, bytes) else enumerate(value):
+            # process workers: (position, answer) of those not published (b"": none); threads, in-process: all
+            for position, answer in (decode_answers(value) if value else ()) if isinstance(value, bytes) \
+                    else enumerate(value):
                 self._add(position, answer, self.arrived[0])
 
     def _add(self, position: int, answer: Any, when: float) -> None:
         self.answers[position] = answer
         self.arrivals[position] = when
 
-    @property
-    def rings(self) -> bool:
-        """Whether the task's pool wakes a caller waiting on it (`wait`) when any task of the
-        loader progresses and when a worker exits: process pools do (see `_mppool._Workers`)."""
-        return getattr(self.result, "progress", None) is not None
-
     def wait(self, slots: SlotPool | None, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the next batch's answer; True once it is in (the caller
-        has just looked: `receive`)."""
+        has just looked: `receive`). A process pool's result rings `progress` when any task of
+        the loader progresses and when a worker exits (see `_mppool._Workers`), so the whole
+        wait is one sleep; other results are waited on for at most _POLL_S at a time."""
         progress = getattr(self.result, "progress", None)
         if progress is None:
-            with ctrl_c_as_itself():
-                self.result.wait(timeout_s)
+            try:
+                self.result.wait(min(timeout_s, _POLL_S))
+            except RuntimeError as exc:
+                as_ctrl_c(exc)
         else:
             progress.clear()  # then one more look: what came meanwhile set it before the clear
             self.receive(slots)
             if self.has_next:
                 return True
-            with ctrl_c_as_itself():
+            try:
                 progress.wait(timeout_s)
+            except RuntimeError as exc:
+                as_ctrl_c(exc)
         self.receive(slots)
         if self.done and not self.has_next:
             raise RuntimeError(f"internal error: the task of batches {self.jobs[0].number}-{self.jobs[-1].number} "

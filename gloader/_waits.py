@@ -11,9 +11,9 @@ usable.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, NoReturn
 
-__all__ = ["ctrl_c_as_itself"]
+__all__ = ["as_ctrl_c", "ctrl_c_as_itself"]
 
 
 @contextlib.contextmanager
@@ -22,6 +22,12 @@ def ctrl_c_as_itself() -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        if isinstance(exc.__context__, KeyboardInterrupt):
-            raise exc.__context__ from None
-        raise
+        as_ctrl_c(exc)
+
+
+def as_ctrl_c(exc: RuntimeError) -> NoReturn:
+    """Raise the KeyboardInterrupt that `exc`, raised by a wait, hid; else `exc` itself (for
+    a hot wait: `except RuntimeError as exc: as_ctrl_c(exc)`)."""
+    if isinstance(exc.__context__, KeyboardInterrupt):
+        raise exc.__context__ from None
+    raise exc

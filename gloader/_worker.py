@@ -391,7 +391,7 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
                 notified, answers = _tell_caller(space, notified, answers, started)
     if not state.crosses_process:
         return answers
-    return encode_answers(answers)
+    return encode_answers(answers) if answers else b""  # b"": every answer is in the slot
 
 
 def _tell_caller(space: SlotSpace, notified: int, unpublished: list[tuple[int, bytes]], started: float
