@@ -19,9 +19,9 @@ The whole flow, with who runs each step::
                                           <-  the task's end (answers that did not fit)
     ... up to `prefetch` tasks in flight, across the end of an epoch into the next ...
     Engine.collect: wait for the oldest batch's answer, read from the slot or the task's
-        messages (in short slices: worker exit codes, the batch's own timeout; a task that
-        runs long tells a waiting caller by message; with in_order=False a batch that
-        came first goes first), then hand it out:
+        messages (asleep until a task's message or a worker's exit rings the loader's
+        event, or the batch's own timeout; a task that runs long tells a waiting caller by
+        message; with in_order=False a batch that came first goes first), then hand it out:
         SlotPool.rebuild(slot, handle) -> tensors viewing the slot (zero copy)  (_caller_slots)
         WorkerFailure.reraise() -> the worker's exception, as its own type   (_protocol)
     EpochIterator: [pin, in its pin thread] -> [to(device) on a side stream] (_device); with a

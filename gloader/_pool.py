@@ -2,8 +2,9 @@
 
 `PoolCore` wraps the pool itself. The pool never tells anyone that a worker died: it silently
 starts a replacement and the task the dead worker held never completes (CPython bpo-22393).
-So the caller asks `find_dead_worker()` whenever a result is late, reading the exit codes
-itself. Shutdown climbs a ladder: ask (close), join with a deadline, terminate, join, kill.
+So its maintenance thread's removal of an exited worker counts the exit and wakes the waiting
+callers (`_mppool._Workers`), and a caller that sees the count grow asks `find_dead_worker()`,
+which reads the exit codes. Shutdown climbs a ladder: ask (close), join with a deadline, terminate, join, kill.
 
 `WorkerPool` is the public pool that several loaders may share; a loader that owns its pool
 uses a `PoolCore` directly. The whole flow is drawn in `_engine`.

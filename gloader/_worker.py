@@ -67,8 +67,8 @@ _SCHED_ATTR = struct.Struct("IIQiIQQQII")
 _SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
 # A task that has run this long (twice what tasks are sized for, `_sizing._TASK_TARGET_S`: its
 # batches got slower) tells a caller waiting for one of its written batches at once, by
-# message; before, the caller finds it in the slot at the task's end or its next look
-# (`_engine._POLL_S`), which costs no message. Larger: fewer messages; smaller: sooner.
+# message; before, the caller finds it in the slot at the task's end (or when something else
+# wakes it), which costs no message. Larger: fewer messages; smaller: sooner.
 _LONG_TASK_S = 0.04
 
 

@@ -424,6 +424,19 @@ def test_module_changes_count_each_entry_into_another_module_of_the_package() ->
     assert count_changes(lambda: a(lambda: other(lambda: b())), "pkg") == 1
 
 
+@pytest.mark.timeout(120)
+def test_supervision_reports_each_loader_and_the_callers_single_look(capsys) -> None:
+    """`python -m gloader.bench.supervision`: a row for gloader's own pool, a shared pool and
+    torch, each with the time from the kill to the error, and gloader's caller woken once."""
+    from gloader.bench import supervision
+
+    assert supervision.main(["--rounds", "1"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[0].strip("| ") for row in rows] == ["own pool", "shared WorkerPool", "torch"]
+    assert all(0 < float(row[1].split()[0]) < 60_000 for row in rows)  # by the death, not a timeout
+    assert [row[2].strip(" |") for row in rows] == ["1", "1", "-"]
+
+
 def test_w12_report_and_scale_out_model_follow_the_measured_figures() -> None:
     """The model is nodes x the measured per-node rate, up to what one caller received."""
     from gloader.bench import cluster
