@@ -3,7 +3,7 @@ busy, one worker per CPU takes them and the other workers wait, instead of time-
 CPUs (which refills the caches at every switch).
 
 The rules: a worker takes a permit (a POSIX record lock on a file of the pool's directory,
-`_mppool.ProcessLock`, which the kernel frees when its holder dies) before it reads its next
+`_pooldir.ProcessLock`, which the kernel frees when its holder dies) before it reads its next
 task, and keeps it across tasks. No task waits for a permit, since only a worker holding none
 waits for one. A waiting worker tries every permit every _WAIT_POLL_S and takes its next task
 without one when a holder spent the last interval inside a task and off the CPU (tasks that
@@ -21,7 +21,7 @@ import resource
 import time
 from typing import Any, Callable, Sequence
 
-from ._mppool import ProcessLock
+from ._pooldir import ProcessLock
 
 __all__ = ["Admission", "usable_cpus"]
 

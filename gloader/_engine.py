@@ -245,16 +245,7 @@ class Engine:
             return None
         asked = time.monotonic()
         self._reap_discarded()
-        task = self._tasks[0]
-        if not self._has_next(task):
-            if self._config.in_order or len(self._tasks) == 1:
-                self._await(task)
-            else:  # a batch of the epoch that came first goes first, while the oldest is still out
-                task = self._finished_task(epoch) or task
-                if not self._has_next(task) and not self._await(task, lambda: self._finished_task(epoch) is not None):
-                    task = self._finished_task(epoch) or task  # one came while waiting
-                    if not self._has_next(task):
-                        self._await(task)
+        task = self._next_task(epoch)
         if task.taken == 0:  # once a task, waited for or not: a worker that died while idle is reported too
             with self._failing(task):
                 self._check_workers(task)
@@ -301,6 +292,21 @@ class Engine:
                    "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
                    "window_s": max(0.0, ready - arrived), "handover_s": time.monotonic() - ready}
         return Collected(batch, timings, message.worker_id, message.samples, message.shard_began)
+
+    def _next_task(self, epoch: int) -> Task:
+        """The task whose next batch goes out next, once that batch's answer is in: the oldest,
+        or with in_order=False one of `epoch` whose batch came first."""
+        task = self._tasks[0]
+        if not self._has_next(task):
+            if self._config.in_order or len(self._tasks) == 1:
+                self._await(task)
+            else:  # a batch of the epoch that came first goes first, while the oldest is still out
+                task = self._finished_task(epoch) or task
+                if not self._has_next(task) and not self._await(task, lambda: self._finished_task(epoch) is not None):
+                    task = self._finished_task(epoch) or task  # one came while waiting
+                    if not self._has_next(task):
+                        self._await(task)
+        return task
 
     def _finished_task(self, epoch: int) -> Task | None:
         """The first task of `epoch` in the window with an answer in (in_order=False)."""

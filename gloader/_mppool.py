@@ -1,9 +1,11 @@
-"""gloader's `multiprocess.Pool`: without three per-batch costs, and with queues that say
-which worker holds their locks. Imports nothing of gloader's; `_pool` supervises it.
+"""gloader's `multiprocess.Pool`, what is done with it: its messages (a task taken whole, a
+result written whole or through a file), the hooks its workers call, resizing, stopping, and
+every name of multiprocess's it relies on that multiprocess does not document. Its classes
+are in `_mpclasses` (imported only when a process pool starts). Imports nothing of gloader's;
+`_pool` supervises it.
 """
 from __future__ import annotations
 
-import collections
 import fcntl
 import itertools
 import os
@@ -12,15 +14,15 @@ import select
 import socket
 import struct
 import termios
-import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ATOMIC_TASK_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_RETIRED", "EXIT_TASKS_CLOSED", "MODULE_NAMES",
-           "POOL_ATTRIBUTES", "QUEUE_ATTRIBUTES", "check_multiprocess", "disk_full", "exit_counter", "forget_pool_after_fork",
-           "forget_task", "is_retire_task", "make_pool_class", "make_thread_pool", "missing_multiprocess_names",
-           "on_result_sent", "on_task_taken", "on_task_wanted", "pool_resizing", "pool_running", "pool_workers",
-           "ProcessLock", "release_pool_files", "resize_pool", "send_partial", "stop_maintenance"]
+__all__ = ["ATOMIC_TASK_BYTES", "DEFAULT_PIPE_BYTES", "EXIT_RESULTS_CLOSED", "EXIT_RETIRED", "EXIT_TASKS_CLOSED",
+           "MODULE_NAMES", "PARTIAL", "POOL_ATTRIBUTES", "QUEUE_ATTRIBUTES", "RESULT_PIPE_BYTES", "WorkerTarget",
+           "check_multiprocess", "disk_full", "exit_counter", "failed_result", "forget_pool_after_fork", "forget_task",
+           "frame", "is_retire_task", "make_thread_pool", "missing_multiprocess_names", "on_result_sent",
+           "on_task_taken", "on_task_wanted", "pool_resizing", "pool_running", "pool_worker", "pool_workers",
+           "release_pool_files", "resize_pool", "send_partial", "spill", "stop_maintenance"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it
@@ -42,13 +44,13 @@ _STALLED_S = 0.02
 _ATOMIC_PIPE_BYTES = select.PIPE_BUF
 # The result pipe's capacity is raised to this where the system allows (Linux's default
 # limit for unprivileged users): results up to it go in the pipe whole, larger ones (a batch
-# that did not fit its slot) through a file (see _spill).
-_RESULT_PIPE_BYTES = 1 << 20
+# that did not fit its slot) through a file (see spill).
+RESULT_PIPE_BYTES = 1 << 20
 # How long a writer sleeps, at most, between looks at a pipe it waits to see empty.
 _DRAIN_POLL_MAX_S = 2e-3
 # The result pipe's capacity assumed where the system cannot tell it (not Linux): results
-# larger than the capacity go through a file (see _spill).
-_DEFAULT_PIPE_BYTES = 16 * 1024
+# larger than the capacity go through a file (see spill).
+DEFAULT_PIPE_BYTES = 16 * 1024
 
 # Exit codes of a worker that ends on its own because its caller's end of a queue is gone,
 # rather than 0, which read as the dataset's doing (see `_pool.describe_exit`).
@@ -67,7 +69,7 @@ _results: Any = None
 _job: int | None = None
 # The index a partial result travels with in the pool's `(job, index, (success, value))`
 # result message; a task's final result has index 0.
-_PARTIAL = 1
+PARTIAL = 1
 
 
 def on_task_wanted(callback: Callable[[], None] | None) -> None:
@@ -98,11 +100,11 @@ def send_partial(data: bytes | None) -> bool:
     for (thread workers)."""
     if _results is None or _job is None:
         return False
-    _results.put((_job, _PARTIAL, (True, data)), finished=False)
+    _results.put((_job, PARTIAL, (True, data)), finished=False)
     return True
 
 
-def _pool_worker(inqueue: Any, outqueue: Any, *rest: Any) -> None:
+def pool_worker(inqueue: Any, outqueue: Any, *rest: Any) -> None:
     """The pool's worker loop, with the result queue known to `send_partial`."""
     global _results
     from multiprocess import pool as mp_pool
@@ -171,7 +173,7 @@ def _read_in_pieces(sock: socket.socket, total: int, header: int) -> memoryview:
     return memoryview(data)[header:]
 
 
-def _frame(data: bytes) -> bytes:
+def frame(data: bytes) -> bytes:
     """`data` with the size header that multiprocess's `Connection.recv_bytes` reads."""
     size = len(data)
     header = struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
@@ -229,13 +231,13 @@ def disk_full(path: str, what: str, exc: OSError) -> OSError:
                               "the temp directory or point TMPDIR at a larger one", path)
 
 
-def _failed_result(obj: Any, exc: OSError, size: int, directory: str) -> Any:
+def failed_result(obj: Any, exc: OSError, size: int, directory: str) -> Any:
     """The pool's result message `(job, i, (success, value))` for a result that could not be
     written to a file: the task fails, named (see disk_full)."""
     return (obj[0], obj[1], (False, disk_full(directory, f"a {size / 2**20:.1f} MiB result", exc)))
 
 
-def _spill(data: bytes, directory: str) -> bytes:
+def spill(data: bytes, directory: str) -> bytes:
     """Write a result too large for the pipe to go in whole into a file of the pool's own
     directory, and return the small message that stands for it. A writer killed while it
     writes the file has put nothing into the pipe (the file goes with the directory when the
@@ -244,69 +246,6 @@ def _spill(data: bytes, directory: str) -> bytes:
     with open(path, "wb") as file:
         file.write(data)
     return pickle.dumps(_Spilled(path), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-# struct flock as fcntl(2) takes it on Linux: type, whence, start, length, pid (padded to 32 bytes).
-_FLOCK = struct.Struct("@hhqqi4x")
-
-
-class ProcessLock:
-    """A lock between processes that the kernel releases when its holder dies: a POSIX record
-    lock on a file of the pool's. Owned by the process (every thread of it), so the pool's own
-    threads in the caller (`terminate`) never wait for one another on it.
-
-    A multiprocess Lock (a semaphore) held by a killed worker stays taken, and no process can
-    tell who holds it: recording the holder beside it left a window (between taking the lock
-    and writing the pid) in which a kill stalled a shared pool for good (measured: 1 stall in
-    ~300 random kills). The descriptor is inherited under fork; a spawned worker opens the
-    file by its path (the pool's directory lives until the pool is closed).
-    """
-
-    def __init__(self, path: str) -> None:
-        self._path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-
-    def __getstate__(self) -> str:
-        return self._path
-
-    def __setstate__(self, path: str) -> None:
-        self._path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-
-    def close(self, _os_close: Callable[[int], None] = os.close) -> None:
-        """Close the descriptor (which drops this process's hold on the lock, if any).
-        (`os.close` is bound early: at interpreter exit, `__del__` may run after `os` is gone.)"""
-        if self._fd >= 0:
-            _os_close(self._fd)
-            self._fd = -1
-
-    def __del__(self) -> None:
-        self.close()
-
-    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
-        # `timeout` is accepted for the Lock interface; gloader's waits end by killing the
-        # workers, which frees the lock, or by block=False.
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX if block else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except (BlockingIOError, PermissionError):  # held by another process
-            return False
-        return True
-
-    def release(self) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_UN)
-
-    def holder(self) -> int | None:
-        """The pid of the process that holds the lock (as the kernel says), None when no
-        other process does (a lock this process holds is not reported)."""
-        asked = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
-        kind, _, _, _, pid = _FLOCK.unpack(fcntl.fcntl(self._fd, fcntl.F_GETLK, asked))
-        return None if kind == fcntl.F_UNLCK else int(pid)
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
 
 
 def forget_task(pool: Any, result: Any) -> None:
@@ -345,7 +284,7 @@ def pool_workers(pool: Any) -> list[Any]:
     return [worker for worker in pool._pool if worker is not _GROW]
 
 
-class _WorkerTarget:
+class WorkerTarget:
     """How many workers a process pool keeps: its `processes`, which multiprocess reads as an
     int (`processes - len(pool)` workers to start) and which `resize_pool` changes while the
     pool runs. multiprocess hands the count to its maintenance thread once, at the start, so
@@ -411,7 +350,7 @@ def resize_pool(pool: Any, count: int) -> int:
     Returns how many retire tasks were queued. Call only when `pool_resizing` is false."""
     from multiprocess import pool as mp_pool
 
-    target: _WorkerTarget = pool._processes
+    target: WorkerTarget = pool._processes
     before: int = target.value
     target.value = count
     if count > before:
@@ -455,143 +394,6 @@ def forget_pool_after_fork(pool: Any, processes: bool) -> None:
         for worker in list(pool._pool):
             children.discard(worker)
     pool._state = CLOSE
-
-
-def _make_queue_class() -> Any:
-    """The pool's task and result queues, safe for a pool that outlives a killed worker.
-
-    An idle worker waits for its next task holding the task queue's read lock, and a worker
-    sends each result holding the result queue's write lock. Killed there (the out-of-memory
-    killer picks idle workers too), it must neither keep the lock nor leave a half-read
-    message: a pool that outlives the death (a shared WorkerPool) would stall. So the locks
-    are `ProcessLock`s, which the kernel releases, and the task queue (`atomic_reads`) is a
-    socket pair from which a worker takes each task whole with one read (`_take_message`):
-    from a pipe it took two (the size, then the bytes), and a worker killed between them left
-    the next reader to take a task's bytes for a size, which stalled the pool or ended that
-    worker with code 0 (measured: 1 in ~60 random kills). Built lazily (importing gloader
-    does not import multiprocess's queues).
-    """
-    global _TrackedQueue
-    if _TrackedQueue is None:
-        from multiprocess import context
-        from multiprocess.queues import SimpleQueue, _ForkingPickler
-
-        class TrackedQueue(SimpleQueue):  # type: ignore[misc]
-            def __init__(self, *, ctx: Any, lock_dir: str, name: str, atomic_reads: bool = False) -> None:
-                # Not SimpleQueue's own __init__: its two locks are semaphores, which under spawn and
-                # forkserver are named files in /dev/shm until the pool closes. A process group killed
-                # at once (`kill -9 -PGID`) left them there for good (its resource tracker dies with
-                # it); ProcessLocks are files of the pool's directory, which the next pool sweeps.
-                # Workers read tasks and write results; the caller's threads do the rest without
-                # these locks (the pool's quick_put and quick_get), so the other two are never taken.
-                # atomic_reads: the same framing over a socket pair, which a reader can peek into.
-                self._reader, self._writer = ctx.Pipe(duplex=atomic_reads)
-                self._poll = self._reader.poll
-                self._rlock = ProcessLock(os.path.join(lock_dir, f"{name}.read.lock"))
-                self._wlock = ProcessLock(os.path.join(lock_dir, f"{name}.write.lock"))
-                if not atomic_reads:
-                    try:
-                        fcntl.fcntl(self._writer.fileno(), fcntl.F_SETPIPE_SZ, _RESULT_PIPE_BYTES)
-                    except (OSError, AttributeError):  # above the system's limit, or not Linux
-                        pass
-                try:
-                    self._pipe_bytes = fcntl.fcntl(self._writer.fileno(), fcntl.F_GETPIPE_SZ)
-                except (OSError, AttributeError):
-                    self._pipe_bytes = _DEFAULT_PIPE_BYTES
-                self._spill_dir = lock_dir
-                self.atomic_reads = atomic_reads
-                self._socket: socket.socket | None = None
-                self._creator = os.getpid()  # the caller; a worker that inherits the queue differs
-
-            def __reduce__(self) -> Any:  # for spawned workers: rebuilt by a module-level function
-                context.assert_spawning(self)
-                return (_rebuild_queue, ((self._reader, self._writer, self._rlock, self._wlock, self._pipe_bytes,
-                                          self._spill_dir), self.atomic_reads))
-
-            def release(self) -> None:
-                """Close this process's ends and locks now (the pool is stopped), rather than when
-                the pool's reference cycles are collected: a pool restarted after each dead worker
-                otherwise kept ~12 descriptors apiece until the cyclic garbage collector ran."""
-                for end in (self._reader, self._writer):
-                    end.close()
-                if self._socket is not None:
-                    self._socket.close()
-                    self._socket = None
-                self._rlock.close()
-                self._wlock.close()
-
-            def _reading_socket(self) -> socket.socket:
-                if self._socket is None:  # a duplicate of the reader's descriptor, made once per process
-                    self._socket = socket.fromfd(self._reader.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
-                return self._socket
-
-            def get(self) -> Any:
-                taken: list[Any] = []
-
-                def claim(message: memoryview) -> None:
-                    taken.append(_ForkingPickler.loads(message))
-                    if _task_taken is not None:
-                        _task_taken(taken[0])
-
-                if _task_wanted is not None:
-                    _task_wanted()
-                with self._rlock:
-                    try:
-                        if self.atomic_reads:
-                            data = _take_message(self._reading_socket(), claim if _task_taken is not None else None)
-                            if _task_taken is not None and not taken:  # read in pieces: claimed once read
-                                claim(memoryview(data))
-                        else:
-                            data = self._reader.recv_bytes()
-                    except (EOFError, OSError):
-                        if os.getpid() == self._creator:
-                            raise
-                        os._exit(EXIT_TASKS_CLOSED)  # the pool's loop would end the worker with 0
-                task = taken[0] if taken else _ForkingPickler.loads(data)
-                global _job
-                _job = task[0] if type(task) is tuple and len(task) == 5 else None  # (job, i, func, args, kwargs)
-                return task
-
-            def put(self, obj: Any, finished: bool = True) -> None:
-                """Send a result; `finished`: the task's final one (a partial one, see
-                send_partial, leaves the task the worker's)."""
-                try:  # a result (ids and bytes): the stdlib pickler takes 0.3 us, dill's 10
-                    data: Any = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception:
-                    data = _ForkingPickler.dumps(obj)
-                try:
-                    message = _frame(data)
-                    if len(message) > self._pipe_bytes:  # it could not go in whole: a file takes it
-                        try:
-                            message = _frame(_spill(data, self._spill_dir))
-                        except OSError as exc:  # a full disk fails the task, named, not the worker
-                            message = _frame(pickle.dumps(_failed_result(obj, exc, len(data), self._spill_dir),
-                                                          protocol=pickle.HIGHEST_PROTOCOL))
-                    with self._wlock:
-                        _write_whole(self._writer.fileno(), message)
-                except (BrokenPipeError, ConnectionResetError):
-                    if os.getpid() == self._creator:
-                        raise
-                    # A worker whose caller is gone (killed): nobody will read this result,
-                    # and the pool's worker loop would print a traceback for each one.
-                    os._exit(EXIT_RESULTS_CLOSED)
-                if finished and _result_sent is not None and os.getpid() != self._creator:
-                    _result_sent()
-
-        _TrackedQueue = TrackedQueue
-    return _TrackedQueue
-
-
-_TrackedQueue: Any = None
-
-
-def _rebuild_queue(state: Any, atomic_reads: bool) -> Any:
-    cls = _make_queue_class()
-    queue = cls.__new__(cls)
-    (queue._reader, queue._writer, queue._rlock, queue._wlock, queue._pipe_bytes, queue._spill_dir) = state
-    queue._poll = queue._reader.poll
-    queue.atomic_reads, queue._socket, queue._creator = atomic_reads, None, None
-    return queue
 
 
 # Every name of multiprocess's that this module relies on and multiprocess does not document:
@@ -656,152 +458,3 @@ def check_multiprocess() -> None:
 
 
 _CHECKED = False
-
-
-def make_pool_class() -> type:
-    """A `multiprocess.Pool` without three per-batch costs that gloader does not need.
-
-    Measured on W1 (batch 256 of tiny samples), its maintenance thread used 0.4 ms of CPU per
-    batch and its task thread 0.13 ms, more than a worker spends building the batch:
-    1. The maintenance thread also wakes whenever a result is waiting in the result queue
-       (to replace workers under `maxtasksperchild`, unused here) and spins until the result
-       thread has read it. It now wakes only for its notifier and for worker exits.
-    2. It is also woken (by a pickled message on a pipe) every time the result cache
-       empties, which with a small window is nearly every batch; that matters only once the
-       pool is closing, so the cache stays quiet until `close()` sets `closing`.
-    3. Tasks are pickled with dill (~29 us per task tuple here) though gloader's are plain;
-       the stdlib pickler takes ~1 us, and workers' dill reads stdlib pickles. Anything the
-       stdlib pickler refuses still goes through dill.
-    gloader supervises its workers itself (`PoolCore.find_dead_worker`), woken by their exits
-    (`_Workers`). Its `submit_task`
-    is `apply_async` with a result that may come in parts (see send_partial).
-    """
-    # Over 40 lines: one class body, built lazily so that importing gloader does not import
-    # multiprocess's pool; its three overrides only make sense read together.
-    check_multiprocess()
-    from multiprocess import pool as mp_pool
-    from multiprocess.queues import SimpleQueue
-
-    class _QuietCache(dict):  # type: ignore[type-arg]
-        """`multiprocess.pool._PoolCache` that notifies on becoming empty only when closing."""
-
-        closing = False
-        notifier: Any
-
-        def __delitem__(self, key: Any) -> None:
-            super().__delitem__(key)
-            if self.closing and not self:
-                self.notifier.put(None)
-
-    class _CallerQueue(SimpleQueue):  # type: ignore[misc]
-        """The pool's change notifier, with thread locks: only the caller's threads use it."""
-
-        def __init__(self, ctx: Any) -> None:
-            self._reader, self._writer = ctx.Pipe(duplex=False)
-            self._poll = self._reader.poll
-            self._rlock = threading.Lock()
-            self._wlock = threading.Lock()
-
-    class _TaskResult(mp_pool.ApplyResult):  # type: ignore[misc]
-        """An AsyncResult whose task may send parts of its result before the end: `chunks`
-        holds (arrival time, data) of each, in order, and is complete once `ready()`;
-        `progress` is set as each part, notice and the final value arrive, and when a worker
-        of the pool exits (the caller clears it; a loader's results may share one)."""
-
-        def __init__(self, pool: Any, callback: Any, progress: threading.Event | None) -> None:
-            super().__init__(pool, callback, None)
-            self.chunks: list[tuple[float, Any]] = []
-            self.progress = progress or threading.Event()
-
-        def _set(self, i: int, obj: Any) -> None:
-            if i == _PARTIAL and obj[0]:
-                if obj[1] is not None:
-                    self.chunks.append((time.monotonic(), obj[1]))
-            else:  # the final value, or a part that failed (a full disk): the task ends with it
-                super()._set(0, obj)
-            self.progress.set()
-
-    class _Workers(list):  # type: ignore[type-arg]
-        """The pool's list of workers. Its maintenance thread sleeps on the workers' sentinels
-        and removes a worker here as soon as it has exited: then every result awaited is woken
-        (`progress`), so a waiting caller sees a death at once rather than by polling."""
-
-        cache: dict[Any, Any] | None = None  # the pool's results awaited, once it has them
-        exited = 0  # workers removed after their exit so far: a caller looks for deaths once it grows
-
-        def __delitem__(self, index: Any) -> None:
-            super().__delitem__(index)
-            self.exited += 1
-            for result in list((self.cache or {}).values()):
-                progress = getattr(result, "progress", None)
-                if progress is not None:
-                    progress.set()
-
-    class _FastPool(mp_pool.Pool):  # type: ignore[misc]
-        @property
-        def _change_notifier(self) -> Any:
-            return self._notifier
-
-        @_change_notifier.setter
-        def _change_notifier(self, made: Any) -> None:
-            # multiprocess makes it with the context's SimpleQueue, whose two semaphores are named
-            # files in /dev/shm under spawn and forkserver for the pool's life, left behind for
-            # good when the process group is killed at once. Replaced as it is set, before the
-            # pool's threads take it; its semaphores go with it (their finalizer removes the names).
-            made.close()
-            self._notifier = _CallerQueue(self._ctx)
-
-        def __init__(self, processes: int, *args: Any, lock_dir: str, **kwargs: Any) -> None:
-            self._lock_dir = lock_dir  # where the queues' lock files live; _setup_queues runs inside __init__
-            # Every worker process started, replacements included, until the supervisor takes it.
-            self.started: collections.deque[Any] = collections.deque()
-            super().__init__(_WorkerTarget(processes), *args, **kwargs)
-            self._cache.__class__ = _QuietCache
-            self._pool.cache = self._cache
-
-        def Process(self, ctx: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - multiprocess's name
-            # multiprocess's own is a staticmethod, but it is only ever called as `self.Process`,
-            # bound here: the pool starts every worker through it.
-            if kwargs.get("target") is mp_pool.worker:
-                kwargs["target"] = _pool_worker
-            process = ctx.Process(*args, **kwargs)
-            self.started.append(process)
-            return process
-
-        def _get_sentinels(self) -> list[Any]:
-            return [self._change_notifier._reader]
-
-        def submit_task(self, func: Callable[..., Any], args: tuple[Any, ...],
-                        callback: Callable[[Any], None] | None = None,
-                        progress: threading.Event | None = None) -> Any:
-            """`apply_async(func, args, callback=callback)` with a `_TaskResult` that sets
-            `progress` (its own Event if None) as it makes progress."""
-            self._check_running()
-            result = _TaskResult(self, callback, progress)
-            self._taskqueue.put(([(result._job, 0, func, args, {})], None))
-            return result
-
-        def close(self) -> None:
-            self._cache.closing = True
-            super().close()  # wakes the maintenance thread, which sees whether tasks remain
-
-        def _setup_queues(self) -> None:  # multiprocess's own, with queues that survive a killed worker
-            self._pool = _Workers()  # still empty: multiprocess sets it just before, and starts workers after
-            queue_class = _make_queue_class()
-            self._inqueue = queue_class(ctx=self._ctx, lock_dir=self._lock_dir, name="tasks", atomic_reads=True)
-            self._outqueue = queue_class(ctx=self._ctx, lock_dir=self._lock_dir, name="results")
-            self._quick_get = self._outqueue._reader.recv
-            send_bytes = self._inqueue._writer.send_bytes
-            dill_send = self._inqueue._writer.send
-
-            def quick_put(obj: Any) -> None:
-                try:
-                    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception:
-                    dill_send(obj)
-                    return
-                send_bytes(data)
-
-            self._quick_put = quick_put
-
-    return _FastPool

@@ -3,7 +3,7 @@
 `PoolCore` wraps the pool itself. The pool never tells anyone that a worker died: it silently
 starts a replacement and the task the dead worker held never completes (CPython bpo-22393).
 So its maintenance thread's removal of an exited worker counts the exit and wakes the waiting
-callers (`_mppool._Workers`), and a caller that sees the count grow asks `find_dead_worker()`,
+callers (`_mpclasses._Workers`), and a caller that sees the count grow asks `find_dead_worker()`,
 which reads the exit codes. Shutdown climbs a ladder: ask (close), join with a deadline, terminate, join, kill.
 
 `WorkerPool` is the public pool that several loaders may share; a loader that owns its pool
@@ -31,12 +31,11 @@ from ._mppool import (
     EXIT_RESULTS_CLOSED,
     EXIT_RETIRED,
     EXIT_TASKS_CLOSED,
-    ProcessLock,
+    check_multiprocess,
     disk_full,
     exit_counter,
     forget_pool_after_fork,
     forget_task,
-    make_pool_class,
     make_thread_pool,
     pool_resizing,
     pool_running,
@@ -45,7 +44,7 @@ from ._mppool import (
     resize_pool,
     stop_maintenance,
 )
-from ._pooldir import PoolDirectory
+from ._pooldir import PoolDirectory, ProcessLock
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._worker import (
@@ -398,9 +397,12 @@ class ProcessCore(PoolCore):
             from multiprocess import resource_tracker
 
             resource_tracker.ensure_running()
+        check_multiprocess()  # a release that renamed a name gloader relies on is named here
+        from ._mpclasses import FastPool  # imported only now: see _mpclasses
+
         with _sigint_blocked():
-            self.pool = make_pool_class()(self.num_workers, initializer=initialize_process_worker,
-                                           initargs=(self.spec, registrations), context=ctx, lock_dir=self.payload_dir)
+            self.pool = FastPool(self.num_workers, initializer=initialize_process_worker,
+                                 initargs=(self.spec, registrations), context=ctx, lock_dir=self.payload_dir)
         self.exits = exit_counter(self.pool)
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,

@@ -25,10 +25,12 @@ import logging
 import os
 import shutil
 import stat
+import struct
 import tempfile
 import time
+from typing import Any, Callable
 
-__all__ = ["PoolDirectory", "user_base"]
+__all__ = ["PoolDirectory", "ProcessLock", "user_base"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,3 +146,66 @@ def _orphaned(path: str) -> bool:
     finally:
         os.close(fd)  # drops the lock we may have taken; nobody else wants it
     return True
+
+
+# struct flock as fcntl(2) takes it on Linux: type, whence, start, length, pid (padded to 32 bytes).
+_FLOCK = struct.Struct("@hhqqi4x")
+
+
+class ProcessLock:
+    """A lock between processes that the kernel releases when its holder dies: a POSIX record
+    lock on a file of the pool's. Owned by the process (every thread of it), so the pool's own
+    threads in the caller (`terminate`) never wait for one another on it.
+
+    A multiprocess Lock (a semaphore) held by a killed worker stays taken, and no process can
+    tell who holds it: recording the holder beside it left a window (between taking the lock
+    and writing the pid) in which a kill stalled a shared pool for good (measured: 1 stall in
+    ~300 random kills). The descriptor is inherited under fork; a spawned worker opens the
+    file by its path (the pool's directory lives until the pool is closed).
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def __getstate__(self) -> str:
+        return self._path
+
+    def __setstate__(self, path: str) -> None:
+        self._path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+
+    def close(self, _os_close: Callable[[int], None] = os.close) -> None:
+        """Close the descriptor (which drops this process's hold on the lock, if any).
+        (`os.close` is bound early: at interpreter exit, `__del__` may run after `os` is gone.)"""
+        if self._fd >= 0:
+            _os_close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        # `timeout` is accepted for the Lock interface; gloader's waits end by killing the
+        # workers, which frees the lock, or by block=False.
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX if block else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # held by another process
+            return False
+        return True
+
+    def release(self) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def holder(self) -> int | None:
+        """The pid of the process that holds the lock (as the kernel says), None when no
+        other process does (a lock this process holds is not reported)."""
+        asked = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        kind, _, _, _, pid = _FLOCK.unpack(fcntl.fcntl(self._fd, fcntl.F_GETLK, asked))
+        return None if kind == fcntl.F_UNLCK else int(pid)
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

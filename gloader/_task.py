@@ -107,7 +107,7 @@ class Task:
     def wait(self, slots: SlotPool | None, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the next batch's answer; True once it is in (the caller
         has just looked: `receive`). A process pool's result rings `progress` when any task of
-        the loader progresses and when a worker exits (see `_mppool._Workers`), so the whole
+        the loader progresses and when a worker exits (see `_mpclasses._Workers`), so the whole
         wait is one sleep; other results are waited on for at most _POLL_S at a time."""
         progress = getattr(self.result, "progress", None)
         if progress is None:

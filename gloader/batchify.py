@@ -170,6 +170,27 @@ _DTYPE = operator.attrgetter("dtype")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
+def _plan_tensor_stack(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None) -> Leaf | Opaque:
+    """`_plan_stack` for samples with a tensor among them (all made tensors)."""
+    shapes = set(map(_SHAPE, tensors))
+    if len(shapes) != 1:
+        raise _shape_error([tuple(s) for s in shapes])
+    if any(map(_REQUIRES_GRAD, tensors)):  # stacked as torch does, the graph kept (in-process only)
+        return Opaque(torch.stack([t if dtype is None else t.to(dtype) for t in tensors]))
+    dtypes = set(map(_DTYPE, tensors))
+    out_dtype = dtype or (tensors[0].dtype if len(dtypes) == 1 else _promoted(dtypes))  # torch.stack's rule
+    same_dtype = dtypes == {out_dtype}
+
+    def fill_tensors(out: torch.Tensor) -> None:
+        if not same_dtype:
+            for row, t in zip(out, tensors):
+                row.copy_(t)
+            return
+        torch.stack(list(tensors), out=out)
+
+    return Leaf((len(tensors),) + tuple(tensors[0].shape), out_dtype, fill_tensors)
+
+
 def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf | Opaque:
     """Stack arrays/tensors/numpy scalars along a new first axis.
 
@@ -177,24 +198,8 @@ def _plan_stack(items: Sequence[Any], dtype: torch.dtype | None) -> Leaf | Opaqu
     """
     kinds = set(map(type, items))
     if kinds != _NDARRAY_ONLY and any(issubclass(kind, torch.Tensor) for kind in kinds):
-        tensors = items if kinds == {torch.Tensor} else [torch.as_tensor(item) for item in items]
-        shapes = set(map(_SHAPE, tensors))
-        if len(shapes) != 1:
-            raise _shape_error([tuple(s) for s in shapes])
-        if any(map(_REQUIRES_GRAD, tensors)):  # stacked as torch does, the graph kept (in-process only)
-            return Opaque(torch.stack([t if dtype is None else t.to(dtype) for t in tensors]))
-        dtypes = set(map(_DTYPE, tensors))
-        out_dtype = dtype or (tensors[0].dtype if len(dtypes) == 1 else _promoted(dtypes))  # torch.stack's rule
-        same_dtype = dtypes == {out_dtype}
-
-        def fill_tensors(out: torch.Tensor) -> None:
-            if not same_dtype:
-                for row, t in zip(out, tensors):
-                    row.copy_(t)
-                return
-            torch.stack(list(tensors), out=out)
-
-        return Leaf((len(tensors),) + tuple(tensors[0].shape), out_dtype, fill_tensors)
+        return _plan_tensor_stack(items if kinds == {torch.Tensor} else [torch.as_tensor(item) for item in items],
+                                  dtype)
     arrays: Sequence[Any] = items if kinds == {np.ndarray} else [np.asarray(item) for item in items]
     first_shape = arrays[0].shape
     # Concatenating n arrays of shape (d0, ...) into the memory of the stack seen as

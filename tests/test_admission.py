@@ -14,7 +14,7 @@ import pytest
 
 import gloader
 from gloader import DataLoader, WorkerExitedError, WorkerPool, _admission, _pool
-from gloader._mppool import ProcessLock
+from gloader._pooldir import ProcessLock
 from tests import _data
 
 pytestmark = pytest.mark.timeout(60)

@@ -151,11 +151,11 @@ def test_a_task_reader_killed_mid_message_leaves_the_whole_task_for_the_next_rea
 
     import multiprocess
 
-    from gloader._mppool import _make_queue_class
+    from gloader._mpclasses import TrackedQueue
     from tests.conftest import wait_until
 
     ctx = multiprocess.get_context("fork")
-    tasks = _make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
+    tasks = TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
     task = ("task", list(range(5000)))  # ~15 KB: several reads' worth when taken in pieces
     data = pickle.dumps(task)
     framed = struct.pack("!i", len(data)) + data
@@ -206,10 +206,10 @@ def test_a_worker_claims_a_task_before_taking_it_so_a_death_between_loses_nothin
     between can name a task it did not take, but never take one unnamed."""
     import multiprocess
 
-    from gloader._mppool import _make_queue_class
+    from gloader._mpclasses import TrackedQueue
 
     ctx = multiprocess.get_context("fork")
-    tasks = _make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
+    tasks = TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
     task = ("task", 7, [1, 2, 3])
     tasks._writer.send_bytes(pickle.dumps(task))
     reader = ctx.Process(target=_claim_then_die, args=(tasks, str(tmp_path / "claimed")))
@@ -234,12 +234,12 @@ def test_a_task_larger_than_the_socket_holds_reaches_its_reader_whole(tmp_path, 
 
     import multiprocess
 
-    from gloader import _mppool
+    from gloader import _mpclasses, _mppool
 
     if atomic_bytes is not None:
         monkeypatch.setattr(_mppool, "ATOMIC_TASK_BYTES", atomic_bytes)
     ctx = multiprocess.get_context("fork")
-    tasks = _mppool._make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
+    tasks = _mpclasses.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
     task = ("task", bytes(range(256)) * 1200)  # ~300 KB, more than a socket holds by default
     writer = threading.Thread(target=tasks._writer.send_bytes, args=(_mppool.pickle.dumps(task),), daemon=True)
     writer.start()
@@ -268,11 +268,11 @@ def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_res
 
     import multiprocess
 
-    from gloader import _mppool
+    from gloader import _mpclasses, _mppool
     from tests.conftest import wait_until
 
     ctx = multiprocess.get_context("fork")
-    results = _mppool._make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="results")
+    results = _mpclasses.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="results")
     fd = results._writer.fileno()
     filler = b"f" * (fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) - 8192)
     results.put(filler)  # nobody reads yet: the pipe has less room left than the next result needs
@@ -305,10 +305,10 @@ def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_w
 
     import multiprocess
 
-    from gloader import _mppool
+    from gloader import _mpclasses, _mppool
 
     ctx = multiprocess.get_context("fork")
-    results = _mppool._make_queue_class()(ctx=ctx, lock_dir=str(tmp_path), name="results")
+    results = _mpclasses.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="results")
     fd = results._writer.fileno()
     big = bytes(range(256)) * (fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) // 128)  # twice what the pipe holds
     writer = ctx.Process(target=results.put, args=(big,))
@@ -325,8 +325,8 @@ def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_w
 
 def test_a_result_queue_left_open_at_interpreter_exit_closes_its_lock_quietly(tmp_path) -> None:
     # Its lock's __del__ may run after the os module is torn down.
-    code = ("import multiprocess\nfrom gloader._mppool import _make_queue_class\n"
-            f"queue = _make_queue_class()(ctx=multiprocess.get_context('fork'), lock_dir={str(tmp_path)!r}, "
+    code = ("import multiprocess\nfrom gloader._mpclasses import TrackedQueue\n"
+            f"queue = TrackedQueue(ctx=multiprocess.get_context('fork'), lock_dir={str(tmp_path)!r}, "
             "name='results')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stderr == ""
@@ -381,14 +381,14 @@ def test_a_pool_directory_is_marked_alive_and_removed_on_close() -> None:
 
 
 def test_a_pool_that_fails_to_start_removes_its_directory(monkeypatch) -> None:
-    from gloader import _pool
+    from gloader import _mpclasses, _pool
 
     def no_pool() -> Any:
         def start(*args: Any, **kwargs: Any) -> Any:
             raise OSError(11, "cannot start workers")
         return start
 
-    monkeypatch.setattr(_pool, "make_pool_class", no_pool)
+    monkeypatch.setattr(_mpclasses, "FastPool", no_pool())
     before = payload_dirs()
     with pytest.raises(OSError, match="cannot start workers"):
         _pool.make_core(2, False, "fork", [])
@@ -534,7 +534,7 @@ def test_a_full_temp_directory_fails_the_batch_naming_the_directory_not_the_work
     def full(data: bytes, directory: str) -> bytes:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_mppool, "_spill", full)  # inherited by the forked worker
+    monkeypatch.setattr(_mppool, "spill", full)  # inherited by the forked worker
     with DataLoader(list(range(8)), batch_size=2, num_workers=1, start_method="fork", batchify_fn=_big_bytes) as loader:
         with pytest.raises(OSError, match=r"could not write a \d+\.\d MiB result to .*gloader-payload-.*TMPDIR") as info:
             list(loader)
@@ -589,10 +589,10 @@ def test_every_name_of_multiprocess_that_the_pool_relies_on_is_in_the_installed_
 
 
 def test_a_renamed_name_of_multiprocess_is_named_when_a_pool_is_made(monkeypatch) -> None:
-    from gloader import _mppool
+    from gloader import _mppool, _pool
 
     names = dict(_mppool.MODULE_NAMES, **{"multiprocess.pool": ("worker", "Pool._renamed_in_a_release")})
     monkeypatch.setattr(_mppool, "MODULE_NAMES", names)
     monkeypatch.setattr(_mppool, "_CHECKED", False)
     with pytest.raises(ImportError, match=r"multiprocess\.pool\.Pool\._renamed_in_a_release.*<0\.71"):
-        _mppool.make_pool_class()
+        _pool.make_core(1, False, "fork", [])
