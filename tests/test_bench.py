@@ -247,10 +247,10 @@ def test_the_compute_ceiling_reports_quick_batches_in_counts_not_one_message_eac
 
 
 def test_the_compute_ceiling_tunes_malloc_as_gloaders_workers_do() -> None:
-    from gloader import _worker
+    from gloader import _process_setup
 
     assert (peers._MALLOC_MMAP_THRESHOLD_BYTES, peers._MALLOC_TRIM_THRESHOLD_BYTES) == (
-        _worker._MALLOC_MMAP_THRESHOLD_BYTES, _worker._MALLOC_TRIM_THRESHOLD_BYTES)
+        _process_setup._MALLOC_MMAP_THRESHOLD_BYTES, _process_setup._MALLOC_TRIM_THRESHOLD_BYTES)
 
 
 def test_the_compute_ceiling_names_its_workers_exit_codes_when_they_stop_loading(monkeypatch) -> None:

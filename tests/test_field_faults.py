@@ -489,7 +489,7 @@ def test_workers_of_a_killed_caller_exit_with_a_code_that_says_so() -> None:
     import sys
 
     from gloader._mppool import EXIT_RESULTS_CLOSED, EXIT_TASKS_CLOSED
-    from gloader._worker import EXIT_CALLER_GONE
+    from gloader._process_setup import EXIT_CALLER_GONE
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER: the orphaned workers become our children

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gloader
-from gloader import DataLoader, WorkerPool, _pooldir, _worker
+from gloader import DataLoader, WorkerPool, _pooldir, _process_setup
 from tests import _data
 from tests.conftest import payload_dirs
 
@@ -462,8 +462,8 @@ def test_oversubscribed_workers_ask_for_a_longer_time_slice_and_keep_their_nice_
         assert (policy, nice, priority) == (os.SCHED_OTHER, 5, 5)
     if oversubscribed[2] == 0:
         pytest.skip("this kernel does not report time slices (custom slices need Linux 6.12+)")
-    assert oversubscribed[2] == _worker._WORKER_SLICE_NS
-    assert fitting[2] != _worker._WORKER_SLICE_NS
+    assert oversubscribed[2] == _process_setup._WORKER_SLICE_NS
+    assert fitting[2] != _process_setup._WORKER_SLICE_NS
 
 
 def test_files_planted_in_the_shared_temp_directory_neither_hang_nor_reach_a_new_pool(tmp_path, monkeypatch) -> None:

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     {"_checks", "_math", "_mppool", "_pooldir", "_protocol", "_seed", "_segment", "_waits", "_snapshot", "_tree", "_stats"},
     {"_admission", "_mpclasses", "_registry", "_caller_slots", "_worker_slots", "batchify", "sampler", "_device"},
-    {"dataset", "_payload", "_rows", "_task", "_sizing", "_datapipes", "_tuning"},
+    {"dataset", "_payload", "_process_setup", "_rows", "_task", "_sizing", "_datapipes", "_tuning"},
     {"_fetch"},
     {"_worker"},
     {"_pool", "_ray"},
