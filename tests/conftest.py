@@ -53,6 +53,12 @@ def _helper_pids() -> set[int]:
     return pids
 
 
+# Ray's system config for the test instances: workers at the priority of the process that
+# starts Ray, not reniced by 15 (Ray's default), so that actors start in seconds on a machine
+# busy with other programs.
+RAY_WORKERS_NOT_NICED = {"worker_niceness": 0}
+
+
 def dev_shm_names() -> set[str]:
     """Names in /dev/shm: gloader must never add one (its segments are anonymous). Leaves out
     multiprocessing's semaphores ("sem.*"), which live for a moment while a lock is made."""

@@ -16,7 +16,7 @@ import torch
 import gloader
 from gloader import BatchTimeoutError, DataLoader, RayPool
 from gloader.sampler import DistributedSampler
-from tests.conftest import dev_shm_names
+from tests.conftest import RAY_WORKERS_NOT_NICED, dev_shm_names
 
 ray = pytest.importorskip("ray")
 
@@ -28,9 +28,11 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module", autouse=True)
 def ray_instance() -> Iterator[None]:
     """A small local Ray instance for the module: 4 logical CPUs (actors reserve half a CPU
-    each below, so that 3 fit), a 100 MB object store."""
+    each below, so that 3 fit), a 100 MB object store, and workers at this process's priority:
+    Ray renices its workers by 15, and on a machine busy with other programs an actor then
+    took over 90 s to start (see docs/guide/ray.md)."""
     ray.init(num_cpus=4, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False, _system_config=RAY_WORKERS_NOT_NICED)
     yield
     ray.shutdown()
 

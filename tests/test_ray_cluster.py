@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gloader import DataLoader, RayPool
+from tests.conftest import RAY_WORKERS_NOT_NICED
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -22,7 +23,8 @@ def cluster() -> Iterator[Any]:
     """A head without workers' resources and two worker nodes of 2 CPUs each, which alone
     have the `cpu_node` resource the loader's actors ask for."""
     made = cluster_utils.Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 100 << 20, "include_dashboard": False})
+        "num_cpus": 1, "object_store_memory": 100 << 20, "include_dashboard": False,
+        "_system_config": RAY_WORKERS_NOT_NICED})  # see test_ray's instance
     for _ in range(2):
         made.add_node(num_cpus=2, resources={"cpu_node": 2}, object_store_memory=100 << 20)
     made.wait_for_nodes()
