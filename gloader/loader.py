@@ -15,16 +15,16 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch.utils.data as torch_data
 
-from . import _pool
+from . import _shared_pool
 from ._device import DevicePipeline, warn_if_cannot_pin
 from ._engine import Engine
 from ._iterator import EpochIterator, Position
 from ._options import LoaderConfig, warn_if_every_rank_loads_everything
 from ._payload import build_payload
-from ._pool import WorkerPool
 from ._ray import RayPool
 from ._schedule import Epoch, Schedule
 from ._seed import draw_base_seed
+from ._shared_pool import WorkerPool
 from ._stats import PipelineStats
 from .batchify import EachSample
 
@@ -181,7 +181,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self._closed = False
         if config.pin_memory:
             warn_if_cannot_pin()
-        _pool.track(self._engine)
+        _shared_pool.track(self._engine)
         self.__dict__.update({name: getattr(self, name) for name in _IN_VARS})  # read through the properties
         self.__dict__["timeout"] = config.timeout_s  # as given: a gloader DataLoader built again refuses 0
         if config.cpu_budget is not None:  # a loader built again from vars() tunes its workers too

@@ -22,6 +22,7 @@ LAYERS = [
     {"_fetch"},
     {"_worker"},
     {"_pool", "_ray"},
+    {"_shared_pool"},
     {"_options", "_schedule"},
     {"_backends"},
     {"_engine"},
