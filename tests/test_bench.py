@@ -116,14 +116,16 @@ def test_peers_are_reported_beside_gloader_and_a_missing_tensorpack_is_skipped_w
 
 
 def _ratio_of_rounded(ratio: float, numerator: float, denominator: float) -> bool:
-    """Whether `ratio` (printed to 2 decimals) can be the ratio of two rates printed to three
-    significant digits: each is within half a unit of its third digit of the rate it stands for."""
+    """Whether `ratio` (printed to 2 decimals, or to three significant digits as the per-round
+    column is) can be the ratio of two rates printed to three significant digits: each is within
+    half a unit of its last digit of what it stands for."""
     def half_unit(value: float) -> float:
         return 0.5 * 10 ** (math.floor(math.log10(abs(value))) - 2) if value else 0.5
 
     low = (numerator - half_unit(numerator)) / (denominator + half_unit(denominator))
     high = (numerator + half_unit(numerator)) / max(denominator - half_unit(denominator), 1e-9)
-    return low - 0.005 <= ratio <= high + 0.005
+    slack = max(0.005, half_unit(ratio))
+    return low - slack <= ratio <= high + slack
 
 
 def test_jpeg_folder_workload_reports_a_row_and_a_scaling_table_and_removes_its_files() -> None:

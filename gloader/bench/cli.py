@@ -315,8 +315,11 @@ def _workloads(size: int, scale: float, only: set[str] | None, results: dict[str
                  224 * 224 * 3 + 8, int(400 * scale) or 40, 150 if scale == 1.0 else 15),
         Workload("W3", "CPU-bound ~0.5 ms/sample, batch 32", lambda: CpuBoundDataset(20_000, size), 32, 64 * 4 + 8,
                  int(100 * scale) or 10, 20),
+        # --quick: as many untimed batches as the scaling table's most workers load at once, and
+        # more: with 2, four workers had loaded the timed batches while the warm ones were taken
+        # (torch nw=4 once read 5,450 samples/s, 15x nw=2).
         Workload("W8", "ImageFolder JPEGs, decode + crop/flip/normalize, batch 64", jpegs, 64,
-                 3 * 224 * 224 * 4 + 8, int(24 * scale) or 3, 32 if scale == 1.0 else 2),
+                 3 * 224 * 224 * 4 + 8, int(24 * scale) or 3, 32 if scale == 1.0 else 2 * max(_SCALING_WORKERS)),
         Workload("W9", "HuggingFace datasets table (torch format), batch 256", lambda: huggingface_table(50_000),
                  256, 64 * 4 + 8, int(150 * scale) or 15, 4),
         Workload("W10", "numpy table with a plain __getitems__, batch 256", lambda: BatchedTable(50_000), 256,
