@@ -357,7 +357,8 @@ class Engine:
             if slots is not None:
                 slots.want(task.slot, position + 1)  # its worker sends it as soon as it is written
         deadline = task.waited[1] + self._config.timeout_s
-        while not task.wait(slots, max(0.0, deadline - time.monotonic())):
+        exits = self._backend.exits if self._backend is not None else None
+        while not task.wait(slots, max(0.0, deadline - time.monotonic()), exits, self._exits_seen):
             self._check_workers(task)
             if give_up is not None and give_up():
                 return False

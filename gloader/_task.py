@@ -104,11 +104,13 @@ class Task:
         self.answers[position] = answer
         self.arrivals[position] = when
 
-    def wait(self, slots: SlotPool | None, timeout_s: float) -> bool:
+    def wait(self, slots: SlotPool | None, timeout_s: float, exits: Any = None, seen: int = 0) -> bool:
         """Wait up to `timeout_s` for the next batch's answer; True once it is in (the caller
         has just looked: `receive`). A process pool's result rings `progress` when any task of
         the loader progresses and when a worker exits (see `_mpclasses._Workers`), so the whole
-        wait is one sleep; other results are waited on for at most _POLL_S at a time."""
+        wait is one sleep; other results are waited on for at most _POLL_S at a time. Returns
+        False without sleeping when `exits.exited` is no longer `seen` (the exits the caller
+        has looked at): an exit rung before the event was cleared would not wake it."""
         progress = getattr(self.result, "progress", None)
         if progress is None:
             try:
@@ -120,6 +122,8 @@ class Task:
             self.receive(slots)
             if self.has_next:
                 return True
+            if exits is not None and exits.exited != seen:  # counted before it rings: the caller looks
+                return False
             try:
                 progress.wait(timeout_s)
             except RuntimeError as exc:

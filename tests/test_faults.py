@@ -51,10 +51,10 @@ def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(
     entered = threading.Event()
     original = _task.Task.wait
 
-    def counted(task: _task.Task, slots: Any, timeout_s: float) -> bool:
+    def counted(task: _task.Task, slots: Any, timeout_s: float, *rest: Any) -> bool:
         looks.append(timeout_s)
         entered.set()
-        return original(task, slots, timeout_s)
+        return original(task, slots, timeout_s, *rest)
 
     monkeypatch.setattr(_task.Task, "wait", counted)
     pool = gloader.WorkerPool(1) if shared else None
@@ -85,6 +85,30 @@ def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(
     finally:
         if pool is not None:
             pool.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_exit_rung_before_the_caller_cleared_its_event_does_not_leave_it_asleep() -> None:
+    # The pool counts an exit, then rings the loader's event; the caller clears the event just
+    # before it sleeps. An exit that rang before the clear is in the count the caller gives.
+    class Pending:  # a task still out, that will not ring again
+        progress = threading.Event()
+        chunks: list[Any] = []
+
+        def ready(self) -> bool:
+            return False
+
+    class Exits:
+        exited = 0
+
+    task = _task.Task([gloader._protocol.Job(0, 0, 0, b"")], None)
+    task.result, exits = Pending(), Exits()
+    Pending.progress.set()  # rung for an exit the caller has not looked at
+    exits.exited = 1
+    started = time.monotonic()
+    assert task.wait(None, 20.0, exits, 0) is False  # back to the caller, to look for the death
+    assert time.monotonic() - started < 10.0  # not asleep until the 20 s deadline
+    assert task.wait(None, 0.05, exits, 1) is False  # looked at: sleeps, and nothing came
 
 
 def _check_dead_worker_report(loader: DataLoader, says: str) -> None:
