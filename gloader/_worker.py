@@ -21,7 +21,6 @@ import logging
 import os
 import pickle
 import threading
-import time
 import traceback
 from typing import Any, Callable, ContextManager
 
@@ -41,11 +40,6 @@ __all__ = ["EXIT_CALLER_GONE", "PoolSpec", "StatusTable", "WorkerState", "execut
 
 logger = logging.getLogger(__name__)
 
-# A task that has run this long (twice what tasks are sized for, `_sizing._TASK_TARGET_S`: its
-# batches got slower) tells a caller waiting for one of its written batches at once, by
-# message; before, the caller finds it in the slot at the task's end (or when something else
-# wakes it), which costs no message. Larger: fewer messages; smaller: sooner.
-_LONG_TASK_S = 0.04
 
 
 class StatusTable:
@@ -343,7 +337,6 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
             pass
     answers: list[Any] = []  # in-process and threads: every answer; processes: those not published
     notified = 0  # the caller's WANTED last answered (see _tell_caller)
-    started = time.monotonic()
     admission = state.admission.task(isinstance(batches[0][2], StreamRequest)) if state.admission else _ADMITTED
     with admission:
         for position, (batch_index, seed, work) in enumerate(batches):
@@ -364,22 +357,22 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
             if answers or not space.publish(position, encoded):  # published in order, up to the first that did not fit
                 answers.append((position, encoded))
             if position + 1 < len(batches):
-                notified, answers = _tell_caller(space, notified, answers, started)
+                notified, answers = _tell_caller(space, notified, answers)
     if not state.crosses_process:
         return answers
     return encode_answers(answers) if answers else b""  # b"": every answer is in the slot
 
 
-def _tell_caller(space: SlotSpace, notified: int, unpublished: list[tuple[int, bytes]], started: float
+def _tell_caller(space: SlotSpace, notified: int, unpublished: list[tuple[int, bytes]]
                  ) -> tuple[int, list[tuple[int, bytes]]]:
-    """When the caller waits for a batch of this long task that is written (the slot's
-    WANTED, see _LONG_TASK_S), send it a message now rather than at the task's end: a notice
-    when the batch's answer is published in the slot, or the answers that were not. Returns
-    the WANTED answered and the answers still to send."""
+    """When the caller waits for a batch of this task that is written (the slot's WANTED) and
+    more batches of the task follow, send it a message now rather than at the task's end: a
+    notice when the batch's answer is published in the slot, or the answers that were not.
+    The caller sleeps until a message comes (it does not poll), and the next batch may take
+    long. Returns the WANTED answered and the answers still to send."""
     wanted = space.wanted()
-    if wanted <= notified or wanted > space.published + len(unpublished) \
-            or time.monotonic() - started < _LONG_TASK_S:
-        return notified, unpublished  # not waiting, answered already, its batch not written yet, or a short task
+    if wanted <= notified or wanted > space.published + len(unpublished):
+        return notified, unpublished  # not waiting, answered already, or its batch not written yet
     if send_partial(encode_answers(unpublished) if wanted > space.published else None):
         return wanted, [] if wanted > space.published else unpublished
     return notified, unpublished

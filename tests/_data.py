@@ -161,6 +161,27 @@ class SleepsWhenFlagged(Sleepy):
         return super().__getitem__(idx)
 
 
+class StallsWhenFlagged(gloader.Dataset):
+    """Instant samples, but while the file `flag` holds two sample indices ("short long"), the
+    first takes `short_s` and the second `long_s` (the file is read at each sample)."""
+
+    def __init__(self, flag: str, short_s: float, long_s: float, length: int) -> None:
+        self.flag, self.short_s, self.long_s, self.length = flag, short_s, long_s, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        try:
+            with open(self.flag) as file:
+                short, long = map(int, file.read().split())
+        except (OSError, ValueError):
+            short = long = -1
+        if idx in (short, long):
+            time.sleep(self.short_s if idx == short else self.long_s)
+        return np.array([idx], dtype=np.int64)
+
+
 class SlowsDownWhenFlagged(gloader.Dataset):
     """From sample `start` on, each sample takes `seconds` while the file `flag` exists: a
     per-sample cost that jumps in the middle of an epoch."""

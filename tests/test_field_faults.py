@@ -136,6 +136,31 @@ def test_a_hang_inside_a_task_of_several_batches_times_out_naming_that_batch_and
             assert torch.cat(list(other)).tolist() == list(range(8))
 
 
+def test_a_batch_the_caller_waits_for_comes_when_written_not_after_a_slow_one_behind_it(tmp_path) -> None:
+    """One worker, tasks of many batches: the caller waits for the first batch of a task,
+    written 0.02 s after the task starts, and the task's second batch takes 4 s. The caller
+    sleeps until a message comes, so the worker tells it as soon as the first is written."""
+    flag = tmp_path / "stall"
+    dataset = _data.StallsWhenFlagged(str(flag), short_s=0.02, long_s=4.0, length=2000)
+    with DataLoader(dataset, batch_size=2, num_workers=1, timeout=30) as loader:
+        list(loader)  # fast: later tasks carry many batches
+        it = iter(loader)
+        for _ in range(100):
+            next(it)
+        first = loader._engine._tasks[-1].jobs[-1].number + 1  # the first batch of a task not dispatched yet
+        assert loader._engine.batches_per_task() > 4 and first < 900
+        flag.write_text(f"{2 * first} {2 * first + 2}")
+        for _ in range(first - 100):
+            next(it)
+        started = time.monotonic()
+        assert next(it).flatten().tolist() == [2 * first, 2 * first + 1]
+        waited = time.monotonic() - started
+        assert next(it).flatten().tolist() == [2 * first + 2, 2 * first + 3]
+        stalled = time.monotonic() - started
+    assert stalled > 3.0  # the second batch was loading all along: the wait above was not for it
+    assert waited < 2.0, f"batch {first} came {waited:.1f} s after the caller asked, with the next ({stalled:.1f} s)"
+
+
 def test_the_timeout_is_per_batch_when_the_cost_of_samples_jumps(tmp_path) -> None:
     """Tasks sized on fast samples carry many batches; when each sample then takes 0.2 s, no
     batch comes near timeout=1.5, so none may time out (a whole task would take seconds)."""
