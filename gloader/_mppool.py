@@ -188,7 +188,7 @@ def _write_whole(fd: int, message: bytes) -> None:
     The kernel writes up to PIPE_BUF bytes in one piece. A larger write is cut only where it
     must wait for room, so it waits for an empty pipe first (the caller's result thread reads
     at once) and then goes in with one write; a message must fit the pipe's capacity (larger
-    results go through a file, see _spill). Call holding the pipe's write lock.
+    results go through a file, see spill). Call holding the pipe's write lock.
     """
     if len(message) > _ATOMIC_PIPE_BYTES:
         pause = _ARRIVAL_POLL_S
