@@ -16,12 +16,13 @@ from typing import Any, Callable, Protocol
 
 from . import _registry
 from ._datapipes import begin_datapipe_epoch, is_datapipe
+from ._plans import build_planned, plan_batch
 from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
 from ._rows import load_rows
 from ._seed import derive_sample_seed
 from ._tree import arrays_to_tensors
 from ._worker_slots import SlotMaps, SlotSpace, pack_batch
-from .batchify import build_planned, default_batchify_fn, plan_batch
+from .batchify import default_batchify_fn
 
 __all__ = ["BatchWriter", "Cursor", "DirectWriter", "Fetcher", "SharedMemoryWriter", "load_batch"]
 

@@ -24,10 +24,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ._math import round_up
+from ._plans import plan_scalars
 from ._segment import ALIGN_BYTES, HEADER_BYTES, Handle, tensor_at
 from ._tree import Leaf, as_torch_dtype
 from ._worker_slots import SlotMaps, SlotSpace, encode
-from .batchify import _plan_scalars
 
 __all__ = ["load_rows"]
 
@@ -176,7 +176,7 @@ def _seal(layout: _Layout, count: int, space: SlotSpace, maps: SlotMaps, slot: A
             leaf = Leaf(view.shape, as_torch_dtype(view.dtype), _no_fill)  # type: ignore[arg-type]
             offsets[id(leaf)] = layout.offsets[index]
         else:
-            leaf = _plan_scalars(layout.numbers[index], None)  # raises as the default batchify does
+            leaf = plan_scalars(layout.numbers[index], None)  # raises as the default batchify does
             offsets[id(leaf)] = total
             leaf.fill(tensor_at(memory, start + total, leaf.shape, leaf.dtype))
             total += round_up(leaf.nbytes, ALIGN_BYTES)

@@ -17,8 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # _pool -> _worker -> _fetch -> _rows -> the supporting modules.
 LAYERS = [
     {"_checks", "_math", "_mppool", "_pooldir", "_protocol", "_seed", "_segment", "_waits", "_snapshot", "_tree", "_stats"},
-    {"_admission", "_mpclasses", "_registry", "_caller_slots", "_worker_slots", "batchify", "sampler", "_device"},
-    {"dataset", "_payload", "_process_setup", "_rows", "_task", "_sizing", "_datapipes", "_tuning"},
+    {"_admission", "_mpclasses", "_registry", "_caller_slots", "_worker_slots", "_plans", "sampler", "_device"},
+    {"batchify", "dataset", "_payload", "_process_setup", "_rows", "_task", "_sizing", "_datapipes", "_tuning"},
     {"_fetch"},
     {"_worker"},
     {"_pool", "_ray"},
