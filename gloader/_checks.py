@@ -5,13 +5,14 @@ the value given and what is allowed. Imports nothing of gloader's.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
 import numpy as np
 
-__all__ = ["LAST_BATCH_MODES", "START_METHODS", "check_flag", "check_last_batch", "check_non_negative_int",
-           "check_positive_int", "check_start_method", "is_int"]
+__all__ = ["LAST_BATCH_MODES", "START_METHODS", "check_callable", "check_flag", "check_last_batch",
+           "check_non_negative_int", "check_positive_int", "check_seed", "check_start_method", "check_timeout", "is_int"]
 
 LAST_BATCH_MODES = ("keep", "discard", "rollover")
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -69,3 +70,32 @@ def check_start_method(start_method: Any, name: str = "start_method") -> str | N
     if start_method is not None and start_method not in START_METHODS:
         raise ValueError(f"{name} must be one of {START_METHODS} or None, got {start_method!r}")
     return start_method  # type: ignore[no-any-return]
+
+
+def check_callable(name: str, value: Any) -> Any:
+    """A callable or None."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable or None, got {value!r}")
+    return value
+
+
+def check_timeout(timeout: Any) -> float:
+    """timeout: seconds, > 0 and finite (every wait has a deadline)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if not 0 < float(timeout) < math.inf:
+        raise ValueError(f"timeout must be > 0 seconds and finite, got {timeout}: every wait for a batch has a "
+                         "deadline (torch's timeout=0 waits forever); pass the most seconds one batch may take "
+                         "(default 120)")
+    return float(timeout)
+
+
+def check_seed(seed: Any) -> int | None:
+    """seed: an integer >= 0, or None."""
+    if seed is None:
+        return None
+    if not is_int(seed):
+        raise TypeError(f"seed must be an integer or None, got {seed!r}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    return int(seed)

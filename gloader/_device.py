@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._checks import check_non_negative_int
 from ._tree import map_structure, map_tensors
 from ._waits import ctrl_c_as_itself
 
@@ -241,3 +242,38 @@ class PinThread:
             logger.warning("the gloader pin thread did not stop within %.1f s", _PIN_STOP_S)
         while not self._queue.empty():
             self._queue.get_nowait()
+
+
+def check_pin_device(pin_memory: bool, pin_device_id: Any) -> int:
+    """pin_device_id: a CUDA device index (checked against the devices when pinning can run)."""
+    index = check_non_negative_int("pin_device_id", pin_device_id)
+    if pin_memory and torch.cuda.is_available():
+        _check_cuda_index("pin_device_id", pin_device_id, index)
+    return index
+
+
+def check_device(device: Any) -> torch.device | None:
+    """device: a CUDA device or 'cpu' (None: batches stay on the host); the index is checked."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be a torch.device or a string such as 'cuda:0', got {device!r}") from exc
+    if dev.type == "cpu":
+        return None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available on this machine; "
+                         "use device=None (or 'cpu') to keep batches on the host")
+    if dev.type != "cuda":
+        raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    _check_cuda_index("device", device, index)
+    return torch.device("cuda", index)
+
+
+def _check_cuda_index(name: str, value: Any, index: int) -> None:
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"{name}={value!r} names CUDA device {index}, but this machine has {count} "
+                         f"(indices 0 to {count - 1})")

@@ -19,14 +19,18 @@ import torch
 
 from ._admission import usable_cpus
 from ._checks import (
+    check_callable,
     check_flag,
     check_last_batch,
     check_non_negative_int,
     check_positive_int,
+    check_seed,
     check_start_method,
+    check_timeout,
     is_int,
 )
 from ._datapipes import is_datapipe, turn_on_datapipe_shuffle
+from ._device import check_device, check_pin_device
 from ._math import ceil_div
 from ._protocol import StreamRequest
 from ._tuning import default_memory_budget, most_workers
@@ -68,12 +72,6 @@ def _given(name: str, value: Any) -> Any:
     return value  # checked with others in `build`
 
 
-def _callable(name: str, value: Any) -> Any:
-    if value is not None and not callable(value):
-        raise TypeError(f"{name} must be callable or None, got {value!r}")
-    return value
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
     """The loader's validated settings; made by `LoaderConfig.build` only.
@@ -86,10 +84,10 @@ class LoaderConfig:
     """
 
     dataset: Any = _argument(_given)
-    timeout_s: float = _argument(lambda name, value: _check_timeout(value), "timeout")
+    timeout_s: float = _argument(lambda name, value: check_timeout(value), "timeout")
     pin_memory: bool = _argument(_flag)
-    device: torch.device | None = _argument(lambda name, value: _check_device(value))
-    worker_init_fn: Callable[[int], None] | None = _argument(_callable)
+    device: torch.device | None = _argument(lambda name, value: check_device(value))
+    worker_init_fn: Callable[[int], None] | None = _argument(check_callable)
     pool: PoolLike | None = _argument(_given)
     progress: bool = _argument(check_flag)
     generator: torch.Generator | None = _argument(_given)
@@ -196,8 +194,8 @@ class LoaderConfig:
                                 check_positive_int("prefetch_factor", prefetch_factor) * workers, workers)
         given_seed = _seed_from(given["seed"], given["generator"])
         base_seed = given_seed  # None: drawn at the first iter(), where torch draws (see DataLoader.__iter__)
-        pin_id = _check_pin_device(checked["pin_memory"], given["pin_device_id"])
-        batchify_fn = _callable("batchify_fn", batchify_fn)
+        pin_id = check_pin_device(checked["pin_memory"], given["pin_device_id"])
+        batchify_fn = check_callable("batchify_fn", batchify_fn)
         plan = _plan_batches(dataset, given["batch_size"], given["shuffle"], sampler, last_batch, batch_sampler,
                              base_seed, batchify_fn)
         thread = check_flag("thread_pool", thread_pool)
@@ -330,7 +328,7 @@ def _check_worker_options(workers: int, start_method: Any, persistent_workers: b
 
 
 def _seed_from(seed: Any, generator: Any) -> int | None:
-    checked = _check_seed(seed)
+    checked = check_seed(seed)
     if generator is None:
         return checked
     if not isinstance(generator, torch.Generator):
@@ -485,56 +483,3 @@ def _check_prefetch(prefetch: Any, workers: int) -> int:
     depth = 2 * workers if prefetch is None else check_non_negative_int("prefetch", prefetch)
     # A window of zero batches would dispatch nothing; one is the smallest that works.
     return max(depth, 1)
-
-
-def _check_timeout(timeout: Any) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    if not 0 < float(timeout) < math.inf:
-        raise ValueError(f"timeout must be > 0 seconds and finite, got {timeout}: every wait for a batch has a "
-                         "deadline (torch's timeout=0 waits forever); pass the most seconds one batch may take "
-                         "(default 120)")
-    return float(timeout)
-
-
-def _check_seed(seed: Any) -> int | None:
-    if seed is None:
-        return None
-    if not is_int(seed):
-        raise TypeError(f"seed must be an integer or None, got {seed!r}")
-    if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
-    return int(seed)
-
-
-def _check_pin_device(pin_memory: bool, pin_device_id: Any) -> int:
-    index = check_non_negative_int("pin_device_id", pin_device_id)
-    if pin_memory and torch.cuda.is_available():
-        _check_cuda_index("pin_device_id", pin_device_id, index)
-    return index
-
-
-def _check_device(device: Any) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be a torch.device or a string such as 'cuda:0', got {device!r}") from exc
-    if dev.type == "cpu":
-        return None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was requested but CUDA is not available on this machine; "
-                         "use device=None (or 'cpu') to keep batches on the host")
-    if dev.type != "cuda":
-        raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    _check_cuda_index("device", device, index)
-    return torch.device("cuda", index)
-
-
-def _check_cuda_index(name: str, value: Any, index: int) -> None:
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise ValueError(f"{name}={value!r} names CUDA device {index}, but this machine has {count} "
-                         f"(indices 0 to {count - 1})")
