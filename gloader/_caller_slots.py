@@ -33,7 +33,6 @@ from ._segment import (
     HEADER_BYTES,
     PROBE_BYTES,
     RETIRED,
-    SEGMENT_NAME,
     TOKEN,
     TRAILER,
     WANTED,
@@ -43,8 +42,10 @@ from ._segment import (
     Segment,
     Slot,
     c_library,
-    map_fd,
+    create_segment,
     numpy_twin,
+    out_of_memory,
+    resident_bytes,
     tensor_at,
 )
 
@@ -75,35 +76,6 @@ def _capacity_for(room: int) -> int:
     rounded up to whole pages (so a slot for tiny batches is a page, never "oversized")."""
     return (HEADER_BYTES + room + room * _HEADROOM_EIGHTHS // 8 + _PAGE_BYTES - 1) // _PAGE_BYTES * _PAGE_BYTES \
         - HEADER_BYTES
-
-
-def _out_of_memory(needed: int, exc: OSError) -> OSError:
-    return OSError(exc.errno, f"could not reserve {needed / 2**20:.1f} MiB of shared memory for a batch "
-                              f"({os.strerror(exc.errno or 0)}): the memory limit of the machine or container is "
-                              "reached; lower prefetch or batch_size, or raise the limit")
-
-
-def _create_segment(size: int, reserve: bool = True, register: Register | None = None) -> tuple[int, Segment]:
-    """A new anonymous segment of `size` bytes: (its descriptor, its mapping). Unless
-    `reserve` is False (a probe slot), its pages are reserved at once; `register` is given
-    the mapping (see Register)."""
-    fd = os.memfd_create(SEGMENT_NAME, os.MFD_CLOEXEC)
-    try:
-        # Reserve the pages now: running out of memory then fails here with an error instead
-        # of killing a writer with SIGBUS on its first touch of an unbacked page.
-        try:
-            if reserve:
-                os.posix_fallocate(fd, 0, size)
-            else:
-                os.ftruncate(fd, size)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise _out_of_memory(size, exc) from exc
-            raise
-        return fd, map_fd(fd, size, register)
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 # dtype name -> (torch's dtype, numpy's twin of it or None: see `_segment.tensor_at`)
@@ -139,22 +111,6 @@ def _decode(spec: Any, base: np.ndarray) -> Any:
     return {key: _decode(item, base) for key, item in spec[1]}
 
 
-def _used_bytes(slot: _Lendable) -> int:
-    """Bytes of the slot's memory that are resident: its descriptor's blocks, or where it gave
-    the descriptor up, the pages of its mapping in memory (mincore); its size where neither
-    can be read."""
-    try:
-        if slot.fd >= 0:
-            return os.fstat(slot.fd).st_blocks * 512
-    except OSError:
-        return len(slot.segment)
-    pages = -(-len(slot.segment) // _PAGE_BYTES)
-    present = np.zeros(pages, dtype=np.uint8)
-    if c_library().mincore(ctypes.addressof(slot.segment), len(slot.segment), present.ctypes.data) != 0:
-        return len(slot.segment)
-    return int(np.count_nonzero(present & 1)) * _PAGE_BYTES
-
-
 class _Lendable:
     __slots__ = ("segment", "header", "token", "capacity", "fd", "pending", "probe", "holes", "lent", "collected",
                  "extent", "released", "tail_given", "lendings", "answers_read", "answers_end")
@@ -178,6 +134,26 @@ class _Lendable:
         self.lendings = 0  # times lent (the header's LEND)
         self.answers_read = 0  # answer records of this lending read by the caller (see SlotPool.answers)
         self.answers_end = len(segment)  # where the next record to read ends
+
+    def read_answers(self) -> list[tuple[int, bytes]]:
+        """The answers published since the last read (see `SlotPool.answers`)."""
+        found: list[tuple[int, bytes]] = []
+        view = memoryview(self.segment).cast("B")
+        lend = self.lendings & 0xFFFFFFFF
+        while self.answers_read < self.header[ANSWERS]:
+            end = self.answers_end
+            size, position, record_lend, check = TRAILER.unpack_from(view, end - TRAILER.size)
+            start = end - TRAILER.size - (size + 7) // 8 * 8  # records are 8-byte aligned
+            if record_lend != lend or start < HEADER_BYTES:
+                break  # not all of it is visible yet: the next look takes it
+            answer = bytes(view[start:start + size])
+            if zlib.crc32(TRAILER.pack(size, position, record_lend, 0), zlib.crc32(answer)) != check:
+                break
+            found.append((position, answer))
+            self.answers_read += 1
+            self.answers_end = start
+        return found
+
     def punch(self, start: int, end: int) -> None:
         """Give back the memory of bytes [start, end) of the segment (whole pages inside it),
         for every process that maps it; what is written there later takes new pages."""
@@ -185,10 +161,12 @@ class _Lendable:
         if last > first:
             c_library().madvise(ctypes.addressof(self.segment) + first, last - first, _MADV_REMOVE)
             self.holes = True
+
     def close_fd(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
     def retire(self) -> None:
         self.header[RETIRED] = 1
         self.close_fd()
@@ -205,11 +183,56 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+class _Sizes:
+    """The latest batch sizes, in arrival order and sorted, and what a slot must hold from them:
+    `typical`, a size that most recent batches do not exceed (7 in 8 of them), and `largest`,
+    the largest recent one, both aligned as batches are placed; `most_batches`, the most
+    batches lent with one slot so far. Read and changed under the SlotPool's lock."""
+
+    def __init__(self) -> None:
+        self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_SIZES)
+        self._sorted: list[int] = []
+        self.typical = 0
+        self.largest = 0
+        self.most_batches = 1
+
+    @property
+    def known(self) -> bool:
+        """Whether a batch's size has been seen."""
+        return bool(self._sorted)
+
+    def note(self, total: int) -> None:
+        """A batch of `total` bytes came back."""
+        if len(self._recent) == self._recent.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self._recent[0])]
+        self._recent.append(total)
+        bisect.insort(self._sorted, total)
+        self.typical = -(-self._sorted[len(self._sorted) * 7 // 8] // ALIGN_BYTES) * ALIGN_BYTES
+        self.largest = -(-self._sorted[-1] // ALIGN_BYTES) * ALIGN_BYTES
+
+    def needed(self, batches: int, most: int) -> int:
+        """What a task of `batches` needs (`most`: how many later tasks may carry): each batch
+        as large as most recent ones; a task of one batch, room for the largest recent one
+        too. An odd larger batch among many small ones travels in its handle rather than size
+        every slot of the window."""
+        self.most_batches = max(self.most_batches, batches, most)
+        needed = batches * (self.typical + ANSWER_BYTES)
+        return max(needed, self.largest) if batches == 1 else needed
+
+    def room(self) -> int:
+        """What a slot needs now: room for the most batches a task
+        carries, which the engine keeps within TASK_BYTES unless one batch alone is larger, so
+        an earlier task's count of small batches does not multiply a large one (a task of one
+        large batch asks for its size in `acquire`)."""
+        return max(self.typical, min(self.most_batches * self.typical, TASK_BYTES)) + \
+            self.most_batches * ANSWER_BYTES
+
+
 class SlotPool:
     """Caller-side owner of a loader's shared-memory segments ("slots").
 
-
     Thread-safe: slots are released from whichever thread drops the last view.
+
     Args:
         max_spare: free slots kept for reuse; a slot released beyond that is retired.
             Larger: fewer new slots when the user holds batches in bursts; smaller: less
@@ -221,6 +244,7 @@ class SlotPool:
             memory), e.g. to page-lock it for a CUDA device so batches are copied to the device
             straight from the slot. Undone just before the mapping goes.
     """
+
     def __init__(self, max_spare: int, max_descriptors: int, register: Register | None = None) -> None:
         self._register = register
         self._max_spare = max_spare
@@ -231,14 +255,7 @@ class SlotPool:
         self._slots: dict[int, _Lendable] = {}  # token -> slot, lent, held or free
         self._free: list[_Lendable] = []
         self._descriptors = 0
-        # The latest batch sizes, in arrival order and sorted: what lent slots must hold.
-        self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_SIZES)
-        self._sizes: list[int] = []
-        # A batch size that most recent batches do not exceed (7 in 8 of them), aligned as
-        # batches are placed; and the largest recent one, aligned (both kept by _note_size).
-        self._typical = 0
-        self._largest = 0
-        self._most_batches = 1  # the most batches lent with one slot so far
+        self._sizes = _Sizes()  # what lent slots must hold
         # Pages of page-locked slots (register) are never given back: a device copy reads them.
         self._punchable = register is None
         # Slots holding freed batches' pages while others of their task are still held; given
@@ -248,6 +265,7 @@ class SlotPool:
         self._closed = False
         self._pid = os.getpid()
         self.segments_created = 0
+
     def acquire(self, batches: int = 1, most: int = 1) -> Slot | None:
         """Lend a slot for `batches` batches about to be dispatched as one task (a probe slot
         until a batch's size is known; None once the probes are spent or the pool is closed).
@@ -257,16 +275,10 @@ class SlotPool:
         with self._lock:
             if self._closed:
                 return None
-            if not self._sizes:
+            if not self._sizes.known:
                 return self._lend_probe(batches)
-            # What the task's batches need: each as large as most recent ones (7 in 8); a task of
-            # one batch, room for the largest recent one too. An odd larger batch among many small
-            # ones travels in its handle rather than size every slot of the window.
-            needed = batches * (self._typical + ANSWER_BYTES)
-            if batches == 1:
-                needed = max(needed, self._largest)
-            self._most_batches = max(self._most_batches, batches, most)
-            room = max(needed, self._room())
+            needed = self._sizes.needed(batches, most)
+            room = max(needed, self._sizes.room())
             for unfit in [free for free in self._free if free.capacity > _OVERSIZED * _capacity_for(room)]:
                 self._free.remove(unfit)  # sized for batches long gone
                 self._retire(unfit)
@@ -277,16 +289,10 @@ class SlotPool:
             for small in list(self._free):  # all smaller than what is coming: replaced by bigger ones
                 self._free.remove(small)
                 self._retire(small)
-        made = _Lendable(*_create_segment(HEADER_BYTES + _capacity_for(room), register=self._register))
+        made = _Lendable(*create_segment(HEADER_BYTES + _capacity_for(room), register=self._register))
         with self._lock:
             return self._adopt(made, batches)
-    def _room(self) -> int:
-        """What a slot needs now (call holding the lock): room for the most batches a task
-        carries, which the engine keeps within TASK_BYTES unless one batch alone is larger, so
-        an earlier task's count of small batches does not multiply a large one (a task of one
-        large batch asks for its size in `acquire`)."""
-        return max(self._typical, min(self._most_batches * self._typical, TASK_BYTES)) + \
-            self._most_batches * ANSWER_BYTES
+
     def _lend_probe(self, batches: int) -> Slot | None:
         """A slot for the first window, before any batch's size is known (call holding the
         lock). Its size is a guess, PROBE_BYTES of which only the pages written are used,
@@ -294,23 +300,25 @@ class SlotPool:
         inside their handles (~50 ms for a 9.6 MB batch). Retired once its batches are back."""
         if self._probes >= _MAX_PROBES:
             return None
-        made = _Lendable(*_create_segment(PROBE_BYTES, reserve=False))
+        made = _Lendable(*create_segment(PROBE_BYTES, reserve=False))
         made.probe = True
         self._probes += 1
         return self._adopt(made, batches)
+
     def _adopt(self, made: _Lendable, batches: int) -> Slot:
         """Own a new slot and lend it (call holding the lock)."""
         self._slots[made.token] = made
         self._descriptors += 1
         self.segments_created += 1
         return self._lend(made, batches)
+
     def _lend(self, lent: _Lendable, batches: int) -> Slot:
         if lent.holes and not lent.probe:  # reserved again, so a writer meets no unbacked page
             try:
                 os.posix_fallocate(lent.fd, 0, len(lent.segment))
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise _out_of_memory(len(lent.segment), exc) from exc
+                    raise out_of_memory(len(lent.segment), exc) from exc
                 raise
             lent.holes = False
         lent.pending = lent.lent = batches
@@ -319,10 +327,12 @@ class SlotPool:
         lent.answers_read, lent.answers_end = 0, len(lent.segment)
         lent.header[WANTED], lent.header[ANSWERS] = 0, 0
         return (self._pid, lent.fd, lent.token, lent.capacity, lent.lendings)
+
     def _lent_now(self, slot: Slot | None) -> _Lendable | None:
         """The slot as lent with `slot` (None: retired, or lent again since; call holding the lock)."""
         lent = self._slots.get(slot[2]) if slot is not None else None
         return lent if lent is not None and lent.lendings == slot[4] else None  # type: ignore[index]
+
     def want(self, slot: Slot | None, count: int) -> None:
         """Tell the worker loading the task lent `slot` that the caller waits to have `count`
         of its batches: it says so as soon as that many are in (see `answers`)."""
@@ -330,34 +340,20 @@ class SlotPool:
             lent = self._lent_now(slot)
             if lent is not None:
                 lent.header[WANTED] = count
+
     def answers(self, slot: Slot | None) -> list[tuple[int, bytes]]:
         """The answers the worker has published in `slot` since the last call, as (position in
         the task, encoded answer); none once the slot is retired or lent again."""
-        found: list[tuple[int, bytes]] = []
         with self._lock:
             lent = self._lent_now(slot)
-            if lent is None:
-                return found
-            view = memoryview(lent.segment).cast("B")
-            lend = lent.lendings & 0xFFFFFFFF
-            while lent.answers_read < lent.header[ANSWERS]:
-                end = lent.answers_end
-                size, position, record_lend, check = TRAILER.unpack_from(view, end - TRAILER.size)
-                start = end - TRAILER.size - (size + 7) // 8 * 8  # records are 8-byte aligned
-                if record_lend != lend or start < HEADER_BYTES:
-                    break  # not all of it is visible yet: the next look takes it
-                answer = bytes(view[start:start + size])
-                if zlib.crc32(TRAILER.pack(size, position, record_lend, 0), zlib.crc32(answer)) != check:
-                    break
-                found.append((position, answer))
-                lent.answers_read += 1
-                lent.answers_end = start
-        return found
+            return [] if lent is None else lent.read_answers()
+
     def rebuild(self, slot: Slot | None, handle: Handle) -> Any:
         """Turn a handle into the batch. Tensors view the slot when the batch was written
         into it, and the slot stays taken until the last of them is freed."""
         token, offset, total, spec, inline = handle
-        self._note_size(total)
+        with self._lock:
+            self._sizes.note(total)
         if not token:
             self.give_back(slot, None)
             return _decode(spec, np.frombuffer(inline, dtype=np.uint8) if inline is not None
@@ -374,12 +370,14 @@ class SlotPool:
         release = weakref.finalize(base, self.release, token, start, start + total)
         release.atexit = False
         return batch
+
     def give_back(self, slot: Slot | None, handle: Handle | None) -> None:
         """Take back a batch's share of its slot when the batch will never be rebuilt (failed
         or discarded)."""
         token, offset, total = handle[:3] if handle is not None else (0, 0, 0)
         if handle is not None:
-            self._note_size(total)
+            with self._lock:
+                self._sizes.note(total)
         if slot is not None:
             start = end = 0
             if handle is not None and token == slot[2]:  # its bytes are in the slot
@@ -390,6 +388,7 @@ class SlotPool:
                 if lent is not None:
                     self._collected(lent, end)
             self.release(slot[2], start, end)
+
     def release(self, token: int, start: int = 0, end: int = 0) -> None:
         """One batch lent with the slot is back (its bytes were [start, end) of the slot);
         after the last, return the slot to the free list, or retire it (closed, in surplus,
@@ -410,16 +409,18 @@ class SlotPool:
                 return
             lent.released = []
             if self._closed or lent.fd < 0 or lent.probe or len(self._free) >= self._max_spare \
-                    or lent.capacity > _OVERSIZED * _capacity_for(self._room()):  # sized for batches long gone
+                    or lent.capacity > _OVERSIZED * _capacity_for(self._sizes.room()):  # sized for batches long gone
                 self._retire(lent)
             else:
                 self._free.append(lent)
+
     def _collected(self, lent: _Lendable, end: int) -> None:
         """One batch of the slot's task reached the caller (call holding the lock)."""
         lent.collected += 1
         lent.extent = max(lent.extent, end)
         if lent.collected == lent.lent and lent.holes:  # its extent is final: the rest can go too
             self._to_punch.append(lent.token)
+
     def _punch_if_holding(self) -> None:
         """Give back the pages of freed batches, and the unused rest of slots whose task is
         all collected, once the caller holds more slots than a loop does (call holding the lock)."""
@@ -435,15 +436,18 @@ class SlotPool:
             if lent.collected == lent.lent and not lent.tail_given:
                 lent.punch(lent.extent, len(lent.segment))
                 lent.tail_given = True
+
     def in_use_bytes(self) -> int:
         """Bytes of shared memory this loader's slots hold in memory (free slots included: the
         pages written and not given back)."""
         with self._lock:
-            return sum(map(_used_bytes, self._slots.values()))
+            return sum((resident_bytes(slot.segment, slot.fd) for slot in self._slots.values()))
+
     def capacity_bytes(self) -> int:
         """Bytes of shared memory this loader's slots have mapped, written or not."""
         with self._lock:
             return sum(len(slot.segment) for slot in self._slots.values())
+
     def close(self) -> None:
         """Retire every slot; batches the user still holds stay valid until freed."""
         with self._lock:
@@ -452,6 +456,7 @@ class SlotPool:
                 self._retire(slot)
             self._free = []
             self._to_punch.clear()
+
     def _retire(self, slot: _Lendable) -> None:
         if slot.pending <= 0 and self._punchable:  # no batch of it is held: its memory goes now,
             slot.punch(_PAGE_BYTES, len(slot.segment))  # however long workers keep it mapped (the header stays)
@@ -459,11 +464,3 @@ class SlotPool:
             self._descriptors -= 1
         slot.retire()
         del self._slots[slot.token]  # unmapped once no view of it is left (see map_fd)
-    def _note_size(self, total: int) -> None:
-        with self._lock:
-            if len(self._recent) == self._recent.maxlen:
-                del self._sizes[bisect.bisect_left(self._sizes, self._recent[0])]
-            self._recent.append(total)
-            bisect.insort(self._sizes, total)
-            self._typical = -(-self._sizes[len(self._sizes) * 7 // 8] // ALIGN_BYTES) * ALIGN_BYTES
-            self._largest = -(-self._sizes[-1] // ALIGN_BYTES) * ALIGN_BYTES

@@ -53,7 +53,7 @@ _DRAIN_POLL_MAX_S = 2e-3
 DEFAULT_PIPE_BYTES = 16 * 1024
 
 # Exit codes of a worker that ends on its own because its caller's end of a queue is gone,
-# rather than 0, which read as the dataset's doing (see `_pool.describe_exit`).
+# rather than 0, which read as the dataset's doing (see `_deaths.describe_exit`).
 EXIT_TASKS_CLOSED = 117  # its task socket was closed (or could not be read)
 EXIT_RESULTS_CLOSED = 118  # its result pipe was closed
 # The exit code of a worker that took a retire task (see resize_pool): the pool asked it to go.

@@ -4,7 +4,7 @@
 starts a replacement and the task the dead worker held never completes (CPython bpo-22393).
 So its maintenance thread's removal of an exited worker counts the exit and wakes the waiting
 callers (`_mpclasses._Workers`), and a caller that sees the count grow asks `find_dead_worker()`,
-which reads the exit codes. Shutdown climbs a ladder: ask (close), join with a deadline,
+which reads the exit codes (`_deaths`). Shutdown climbs a ladder: ask (close), join with a deadline,
 terminate, join, kill.
 
 A loader that owns its pool uses a `PoolCore` directly; `_shared_pool.WorkerPool`, the pool
@@ -13,7 +13,6 @@ several loaders may share, holds one. The whole flow is drawn in `_engine`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -25,10 +24,8 @@ import types
 from typing import Any, Callable, Iterator
 
 from ._admission import usable_cpus
+from ._deaths import Deaths
 from ._mppool import (
-    EXIT_RESULTS_CLOSED,
-    EXIT_RETIRED,
-    EXIT_TASKS_CLOSED,
     check_multiprocess,
     disk_full,
     exit_counter,
@@ -46,7 +43,6 @@ from ._pooldir import PoolDirectory, ProcessLock
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._worker import (
-    EXIT_CALLER_GONE,
     PoolSpec,
     StatusTable,
     initialize_process_worker,
@@ -54,7 +50,7 @@ from ._worker import (
     run_task,
 )
 
-__all__ = ["PoolCore", "ProcessCore", "ThreadCore", "WorkerExitedError", "describe_exit", "make_core"]
+__all__ = ["PoolCore", "ProcessCore", "ThreadCore", "WorkerExitedError", "make_core"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,89 +61,6 @@ _TERMINATE_S = 1.5
 _KILL_S = 2.0
 # Deadline for the pool's own bookkeeping threads once every worker is gone.
 _POOL_THREADS_S = 5.0
-
-
-_SIGNAL_CAUSES = {
-    signal.SIGKILL: "it was killed, most often by the out-of-memory killer (check `dmesg`; lower "
-                    "num_workers, prefetch or batch_size, or keep the dataset in numpy arrays)",
-    signal.SIGBUS: "shared memory ran out (/dev/shm is full, used by the dataset or a library it calls; "
-                   "in docker, raise --shm-size)",
-    signal.SIGSEGV: "a crash in native code called by the dataset or batchify function",
-    signal.SIGABRT: "native code aborted (an assertion in a C extension)",
-    signal.SIGTERM: "something outside gloader terminated it",
-}
-
-
-# Workers that end on their own say why by their exit code.
-_OWN_EXITS = {
-    EXIT_TASKS_CLOSED: "its task queue was closed or could not be read, so it stopped (the caller's end of the "
-                       "pool's pipes was closed: the pool was stopped, or this process closed descriptors it "
-                       "did not open)",
-    EXIT_RESULTS_CLOSED: "its result pipe was closed, so it stopped (the caller's end of the pool's pipes was "
-                         "closed: the pool was stopped, or this process closed descriptors it did not open)",
-    EXIT_CALLER_GONE: "it found its parent process or the main process gone, so it stopped",
-}
-
-
-def describe_exit(exitcode: int) -> str:
-    """Say how a worker ended and the likely cause, from its exit code; a death by a signal in
-    torch's words ("is killed by signal: Segmentation fault"), which scripts written for torch
-    look for."""
-    if exitcode in _OWN_EXITS:
-        return f"exited with code {exitcode}: {_OWN_EXITS[exitcode]}"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        cause = _SIGNAL_CAUSES.get(-exitcode, "it received a fatal signal")  # type: ignore[call-overload]
-        return f"is killed by signal: {signal.strsignal(-exitcode) or name} ({name}); likely cause: {cause}"
-    return (f"exited unexpectedly with code {exitcode}; likely cause: os._exit() called in the dataset, a transform "
-            "or the batchify function, or an exit of the interpreter from native code")
-
-
-class WorkerProcess:
-    """A worker process as torch's iterator lists them (`it._workers`): `pid`, `exitcode`,
-    `is_alive()`, `join(timeout)` and `terminate()`, which keep answering after the pool has
-    closed the process object to release its descriptors."""
-
-    def __init__(self, process: Any, exit_codes: dict[int, int]) -> None:
-        self._process = process
-        self._exit_codes = exit_codes  # the pool's record of the processes it closed
-        self.pid: int = process.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        try:
-            return self._process.exitcode  # type: ignore[no-any-return]
-        except ValueError:  # closed: it had ended
-            return self._exit_codes.get(self.pid)
-
-    def is_alive(self) -> bool:
-        try:
-            return bool(self._process.is_alive())
-        except ValueError:
-            return False
-
-    def join(self, timeout: float | None = None) -> None:
-        with contextlib.suppress(ValueError):
-            self._process.join(timeout)
-
-    def terminate(self) -> None:
-        with contextlib.suppress(ValueError):
-            self._process.terminate()
-
-    def __repr__(self) -> str:
-        return f"<gloader worker process pid={self.pid} exitcode={self.exitcode}>"
-
-
-@dataclasses.dataclass
-class _Death:
-    """A worker's death, noticed and not yet reported."""
-
-    text: str
-    owner: int | None  # the loader whose task the worker held; None: it held none
-
 
 
 @contextlib.contextmanager
@@ -359,12 +272,7 @@ class ProcessCore(PoolCore):
             raise RuntimeError(f"cannot start {num_workers} worker processes from a daemonic process (pid "
                                f"{os.getpid()}), such as a gloader worker: it cannot have children of its own; "
                                "give the inner DataLoader num_workers=0 or thread_pool=True")
-        self._watched: list[Any] = []  # worker processes not yet seen dead
-        self._ended: list[Any] = []  # worker processes seen dead: their sentinels close with the pool
-        self._killed: set[Any] = set()  # worker processes killed on purpose: no death to report
-        self._deaths: list[_Death] = []  # noticed, not reported yet
-        self._exit_codes: dict[int, int] = {}  # pid -> exit code of the processes closed (see WorkerProcess)
-        self._retiring = 0  # workers asked to exit by `resize` that have not yet: their exits are no deaths
+        self._deaths = Deaths()  # read and changed under self._lock
         self._claimed: set[int] = set()  # pids of workers seen holding their id (see workers_ready)
         super().__init__(num_workers, start_method, registrations, capacity)
 
@@ -419,9 +327,9 @@ class ProcessCore(PoolCore):
         if not 1 <= count <= self.capacity:
             raise ValueError(f"a pool of capacity {self.capacity} cannot keep {count} workers")
         with self._lock:
-            if self._closed or pool_resizing(self.pool) or self._retiring:
+            if self._closed or pool_resizing(self.pool) or self._deaths.retiring:
                 return False
-            self._retiring += resize_pool(self.pool, count)
+            self._deaths.retiring += resize_pool(self.pool, count)
         logger.debug("resizing the pool to %d workers", count)
         return True
 
@@ -429,9 +337,9 @@ class ProcessCore(PoolCore):
         if self._closed or self.status is None:
             return False
         with self._lock:
-            if pool_resizing(self.pool) or self._retiring:
-                self._notice_deaths()  # counts the retired
-                if pool_resizing(self.pool) or self._retiring:
+            if pool_resizing(self.pool) or self._deaths.retiring:
+                self._deaths.notice(self.pool, self.status)  # counts the retired
+                if pool_resizing(self.pool) or self._deaths.retiring:
                     return False
             # Workers seen with their id are not looked up again: a look scans the status table.
             pids = {p.pid for p in pool_workers(self.pool)}
@@ -444,7 +352,7 @@ class ProcessCore(PoolCore):
         if self.status is not None:
             ids = {p.pid: self.status.worker_id(p.pid) for p in processes}
             processes.sort(key=lambda p: (ids[p.pid] is None, ids[p.pid] or 0))  # one not yet started last
-        return [WorkerProcess(p, self._exit_codes) for p in processes]
+        return [self._deaths.view(p) for p in processes]
 
     def find_dead_worker(self, loader_id: int | None = None) -> str | None:
         """Describe a worker process that has died, once, to the loader it concerns; or None.
@@ -458,53 +366,8 @@ class ProcessCore(PoolCore):
         if self._closed:
             return None
         with self._lock:
-            self._notice_deaths()
-            for death in self._deaths:
-                if death.owner is None or loader_id is None or death.owner == loader_id:
-                    self._deaths.remove(death)
-                    return death.text
-        return None
-
-    def _notice_deaths(self) -> None:
-        # Every process the pool starts, from its own record: a replacement that died before
-        # this look is gone from the pool's list of workers already, and would be missed there.
-        started = self.pool.started
-        while started:
-            self._watched.append(started.popleft())
-        alive: list[Any] = []
-        dead: list[Any] = []
-        for process in self._watched:
-            (alive if process.exitcode is None else dead).append(process)
-        self._watched = alive
-        # Ended workers' sentinels are closed once the pool's maintenance thread has let go of
-        # them (a shared pool outlives many deaths), the rest with the pool.
-        current = pool_workers(self.pool)
-        ended = [p for p in self._ended if p in current]
-        for process in self._ended:
-            if process not in ended:
-                self._close_process(process)
-        self._ended = ended + dead
-        for process in dead:
-            code = process.exitcode
-            if process in self._killed:
-                self._killed.discard(process)
-                continue
-            if code == EXIT_RETIRED and self._retiring and self.status is not None and self.status.retired(process.pid):
-                # it took a retire task: asked to go (a dataset's own exit with that code is a death)
-                self._retiring -= 1
-                continue
-            if not self._has_started(process.pid):
-                text = f"DataLoader worker (pid {process.pid}) {describe_exit(code)}, while starting" if code < 0 else (
-                    f"DataLoader worker (pid {process.pid}) exited with code {code} while starting, before it "
-                    "could load anything; under spawn or forkserver the main script is imported again in "
-                    "each worker, so guard it with `if __name__ == '__main__':` (its traceback is on stderr)")
-                self._deaths.append(_Death(text, None))
-                continue
-            doing = self.status.doing(process.pid) if self.status is not None else None
-            text = f"DataLoader worker (pid {process.pid}) {describe_exit(code)}"
-            if doing is not None:
-                text += f". It was loading batch {doing[2]} of epoch {doing[1]} for loader {doing[0]}"
-            self._deaths.append(_Death(text, None if doing is None else doing[0]))
+            self._deaths.notice(self.pool, self.status)
+            return self._deaths.take(loader_id)
 
     def kill_worker_loading(self, loader_id: int, epoch: int, batch_indices: list[int]) -> int | None:
         """Kill the worker process stuck on one of those batches (a shared pool's hung worker
@@ -516,15 +379,12 @@ class ProcessCore(PoolCore):
             if doing is not None and doing[:2] == (loader_id, epoch) and doing[2] in batch_indices:
                 batch_index = doing[2]
                 with self._lock:
-                    self._killed.add(process)  # killed on purpose: not a death to report
+                    self._deaths.killed.add(process)  # killed on purpose: not a death to report
                 process.kill()
                 logger.warning("killed gloader worker %d: it spent longer than the timeout on batch %d of "
                                "epoch %d for loader %d", process.pid, batch_index, epoch, loader_id)
                 return int(process.pid)
         return None
-
-    def _has_started(self, pid: int) -> bool:
-        return self.status is not None and self.status.has_started(pid)
 
     def join(self, loader_id: int, payload: Payload) -> None:
         """Register a loader on the running pool: workers read its payload file at their first
@@ -553,7 +413,7 @@ class ProcessCore(PoolCore):
         generation moves on)."""
         with self._lock:
             # Deaths of its tasks' workers concern nobody else.
-            self._deaths = [death for death in self._deaths if death.owner != loader_id]
+            self._deaths.forget_loader(loader_id)
             try:
                 os.unlink(os.path.join(self.payload_dir, f"{loader_id}.pkl"))
             except FileNotFoundError:
@@ -609,15 +469,7 @@ class ProcessCore(PoolCore):
             logger.warning("the pool's maintenance thread did not stop within %.1f s", _POOL_THREADS_S)
 
     def _after_pool_stopped(self) -> None:
-        pool = self.pool
-        for process in {*self._ended, *self._watched, *pool.started, *pool_workers(pool)}:
-            if process.exitcode is not None:
-                self._close_process(process)
-
-    def _close_process(self, process: Any) -> None:
-        """Release an ended process's descriptors, keeping its exit code for `WorkerProcess`."""
-        self._exit_codes[process.pid] = process.exitcode
-        process.close()
+        self._deaths.close_ended(self.pool)
 
 
 def make_core(num_workers: int, is_thread: bool, start_method: str | None,

@@ -28,6 +28,7 @@ does not fit goes with the task's result message. The whole flow is drawn in `_e
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import mmap
 import os
@@ -39,8 +40,8 @@ import numpy as np
 import torch
 
 __all__ = ["ALIGN_BYTES", "ANSWERS", "ANSWER_BYTES", "HEADER_BYTES", "Handle", "Header", "PROBE_BYTES", "RETIRED",
-           "Register", "SEGMENT_NAME", "Segment", "Slot", "TOKEN", "TRAILER", "WANTED", "WRITTEN", "c_library", "map_fd",
-           "numpy_twin", "tensor_at"]
+           "Register", "SEGMENT_NAME", "Segment", "Slot", "TOKEN", "TRAILER", "WANTED", "WRITTEN", "c_library",
+           "create_segment", "map_fd", "numpy_twin", "out_of_memory", "resident_bytes", "tensor_at"]
 
 
 # Leaves start on 64-byte boundaries: any dtype view is aligned, and no two leaves share a
@@ -148,3 +149,49 @@ def tensor_at(buffer: Any, start: int, shape: tuple[int, ...], dtype: torch.dtyp
         return torch.from_numpy(np.ndarray(shape, twin, buffer, start))
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.frombuffer(buffer, np.uint8, nbytes, start)).view(dtype).view(shape)
+
+
+def out_of_memory(needed: int, exc: OSError) -> OSError:
+    """The error for `needed` bytes of shared memory that could not be reserved."""
+    return OSError(exc.errno, f"could not reserve {needed / 2**20:.1f} MiB of shared memory for a batch "
+                              f"({os.strerror(exc.errno or 0)}): the memory limit of the machine or container is "
+                              "reached; lower prefetch or batch_size, or raise the limit")
+
+
+def create_segment(size: int, reserve: bool = True, register: Register | None = None) -> tuple[int, Segment]:
+    """A new anonymous segment of `size` bytes: (its descriptor, its mapping). Unless
+    `reserve` is False (a probe slot), its pages are reserved at once; `register` is given
+    the mapping (see Register)."""
+    fd = os.memfd_create(SEGMENT_NAME, os.MFD_CLOEXEC)
+    try:
+        # Reserve the pages now: running out of memory then fails here with an error instead
+        # of killing a writer with SIGBUS on its first touch of an unbacked page.
+        try:
+            if reserve:
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise out_of_memory(size, exc) from exc
+            raise
+        return fd, map_fd(fd, size, register)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def resident_bytes(segment: Segment, fd: int) -> int:
+    """Bytes of a segment that are resident: its descriptor's blocks, or where it gave the
+    descriptor up (`fd` < 0), the pages of its mapping in memory (mincore); its size where
+    neither can be read."""
+    try:
+        if fd >= 0:
+            return os.fstat(fd).st_blocks * 512
+    except OSError:
+        return len(segment)
+    pages = -(-len(segment) // mmap.PAGESIZE)
+    present = np.zeros(pages, dtype=np.uint8)
+    if c_library().mincore(ctypes.addressof(segment), len(segment), present.ctypes.data) != 0:
+        return len(segment)
+    return int(np.count_nonzero(present & 1)) * mmap.PAGESIZE

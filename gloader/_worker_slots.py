@@ -76,9 +76,11 @@ class SlotMaps:
         max_maps: how many slots stay mapped. Larger: fewer re-maps when many slots
             circulate; smaller: fewer mappings to check when pruning.
     """
+
     def __init__(self, max_maps: int) -> None:
         self._max_maps = max_maps
         self._maps: collections.OrderedDict[int, tuple[Segment, Any]] = collections.OrderedDict()
+
     def get(self, slot: Slot) -> Segment:
         pid, fd, token, capacity, _ = slot
         found = self._maps.get(token)
@@ -115,6 +117,7 @@ class SlotMaps:
         while len(self._maps) > self._max_maps:
             self._maps.popitem(last=False)
         return segment
+
     def prune(self) -> int:
         """Unmap slots the caller retired (only our mapping still holds their memory);
         return how many."""
@@ -122,8 +125,10 @@ class SlotMaps:
         for token in gone:
             del self._maps[token]  # unmapped once no view of it is left (see map_fd)
         return len(gone)
+
     def close(self) -> None:
         self._maps.clear()
+
     def __len__(self) -> int:
         return len(self._maps)
 
@@ -151,9 +156,11 @@ class _Placement:
 
 
     __slots__ = ("placed", "total")
+
     def __init__(self) -> None:
         self.placed: list[tuple[Leaf, int]] = []
         self.total = 0
+
     def place(self, leaf: Leaf) -> int:
         offset = self.total
         self.placed.append((leaf, offset))
@@ -167,6 +174,7 @@ class SlotSpace:
 
 
     __slots__ = ("slot", "offset", "limit", "view", "header", "published")
+
     def __init__(self, slot: Slot | None) -> None:
         self.slot = slot
         self.offset = 0  # where the next batch starts, after the header
@@ -178,15 +186,18 @@ class SlotSpace:
     def room(self) -> int:
         """Bytes left for batches."""
         return self.limit - self.offset
+
     def open(self, maps: SlotMaps) -> None:
         """Map the slot (if one was lent), so that answers can be published in it."""
         if self.slot is not None and self.view is None:
             segment = maps.get(self.slot)
             self.view = memoryview(segment).cast("B")
             self.header = Header.from_buffer(segment)
+
     def wanted(self) -> int:
         """How many of the task's batches the caller waits to have (0: it does not wait)."""
         return int(self.header[WANTED]) if self.header is not None else 0
+
     def publish(self, position: int, answer: bytes) -> bool:
         """Write the answer of the task's batch at `position` into the slot, where the caller
         reads it at once (see the module's docstring); False when it does not fit."""

@@ -73,7 +73,7 @@ def test_a_replacement_that_dies_before_the_loader_next_looks_is_reported_too() 
 def test_a_worker_killed_while_starting_is_described_by_its_signal(monkeypatch) -> None:
     with WorkerPool(1) as pool, DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
         list(loader)
-        monkeypatch.setattr(pool.core, "_has_started", lambda pid: False)  # as if it died before claiming an id
+        monkeypatch.setattr(pool.core.status, "has_started", lambda pid: False)  # as if it died before claiming an id
         victim = pool.worker_pids()[0]
         _kill_and_wait_for_replacement_of_one(pool.worker_pids, victim)
         with pytest.raises(gloader.WorkerExitedError, match=rf"pid {victim}\) is killed by signal: Killed \(SIGKILL\).*, while starting") \

@@ -55,7 +55,7 @@ def _same(a: Any, b: Any) -> bool:
 @pytest.fixture
 def slot_pool():
     pool, maps = SlotPool(max_spare=2, max_descriptors=4), SlotMaps(4)
-    pool._note_size(8 * (_SIDE * _SIDE * 3 * 4 * 3 + 1024))  # room for a batch of 8 of the largest samples
+    pool._sizes.note(8 * (_SIDE * _SIDE * 3 * 4 * 3 + 1024))  # room for a batch of 8 of the largest samples
     yield pool, maps
     maps.close()
     pool.close()

@@ -21,6 +21,7 @@ LAYERS = [
     {"batchify", "dataset", "_payload", "_process_setup", "_rows", "_task", "_sizing", "_datapipes", "_tuning"},
     {"_fetch"},
     {"_worker"},
+    {"_deaths"},
     {"_pool", "_ray"},
     {"_shared_pool"},
     {"_options", "_schedule"},
