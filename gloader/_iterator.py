@@ -189,7 +189,7 @@ class EpochIterator:
         self._ahead: Any = None
         self._ahead_error: BaseException | None = None
         self._replaced_by = ""
-        self._bar = ProgressBar(epoch.number, epoch.remaining, engine.describe_workers) if config.progress else None
+        self._bar = ProgressBar(epoch.number, epoch.remaining, engine.workers.describe) if config.progress else None
         self._config = config
         self._pins = config.pin_thread  # batches go through a pin thread
         self._pinner: PinThread | None = None  # started by the first next(): a probe iter() fetches nothing
@@ -206,7 +206,7 @@ class EpochIterator:
         here if the first batch has not started them: torch's iterator has this private list from
         its start, and tools and tests read it for pids and to join the workers once the loader
         is gone."""
-        return self._engine.worker_processes()
+        return self._engine.workers.processes()
 
     @property
     def yielded(self) -> int:
@@ -284,7 +284,7 @@ class EpochIterator:
             return self._host.next()
         if self._pinner is None:
             self._pinner = PinThread(self, self._config.pin_device_id, self._config.timeout_s)
-            self._engine.attach(self._pinner)
+            self._engine.workers.attach(self._pinner)
         return self._pinner.take()
 
     def _next_batch(self) -> Any:

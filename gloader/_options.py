@@ -193,7 +193,7 @@ class LoaderConfig:
         depth = _check_prefetch(prefetch if prefetch_factor is None else
                                 check_positive_int("prefetch_factor", prefetch_factor) * workers, workers)
         given_seed = _seed_from(given["seed"], given["generator"])
-        base_seed = given_seed  # None: drawn at the first iter(), where torch draws (see DataLoader.__iter__)
+        base_seed = given_seed  # None: drawn at the first iter(), where torch draws (see `_serving`)
         pin_id = check_pin_device(checked["pin_memory"], given["pin_device_id"])
         batchify_fn = check_callable("batchify_fn", batchify_fn)
         plan = _plan_batches(dataset, given["batch_size"], given["shuffle"], sampler, last_batch, batch_sampler,

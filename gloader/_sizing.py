@@ -3,11 +3,11 @@ estimates of a batch's worker time and bytes (see docs/design.md, "Several small
 task"). The engine asks before each task and tells it each batch collected."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ._caller_slots import TASK_BYTES
 from ._mppool import ATOMIC_TASK_BYTES
-from ._protocol import Loaded
+from ._protocol import Job, Loaded, StreamRequest
 
 __all__ = ["TASK_KEY_BYTES", "TaskSizer", "key_bytes"]
 
@@ -46,6 +46,25 @@ class TaskSizer:
         self.batch_bytes = 0.0
         self.per_task = 1
         self.most_per_task = _MAX_BATCHES_PER_TASK
+        self._epoch: int | None = None  # the epoch of the latest task taken
+
+    def take(self, first: Job, next_job: Callable[[], Job | None], limit: int) -> tuple[list[Job], Job | None]:
+        """The jobs of the next task: `first` and up to `limit` in all from `next_job` (one for
+        an epoch's first task), and the job taken that starts the task after (None if none): a
+        task never spans two epochs, and its keys fit its message."""
+        if first.epoch != self._epoch:
+            self._epoch, limit = first.epoch, 1
+        jobs = [first]
+        message_bytes = key_bytes(first.work)
+        while len(jobs) < limit and not isinstance(first.work, StreamRequest):
+            job = next_job()
+            if job is None:
+                break
+            message_bytes += key_bytes(job.work)
+            if job.epoch != first.epoch or message_bytes > TASK_KEY_BYTES:
+                return jobs, job
+            jobs.append(job)
+        return jobs, None
 
     def estimate(self, message: Loaded, size: int) -> None:
         """Update the estimates with a batch collected (`size`: its bytes)."""

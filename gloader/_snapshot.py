@@ -6,7 +6,7 @@ Worker processes persist across epochs, so they keep the dataset as it was when 
 epochs (`dataset.set_epoch(e)`, a new transform, a curriculum's difficulty, `set_format`)
 expects the next epoch to see the change, as torch's DataLoader without persistent workers
 does. The loader compares this picture at each epoch's start and restarts its workers when
-it differs (see `DataLoader.__iter__`).
+it differs (see `_serving.Serving`).
 
 The picture holds, for the dataset and the objects it reaches through attributes, list and
 dict items (a few levels deep, a bounded number of entries): the value of numbers and short
@@ -44,7 +44,8 @@ _OPAQUE = (np.ndarray, np.generic, torch.Tensor, type, types.ModuleType, types.F
 _LEAVES = (set, frozenset, *_OPAQUE)
 # Loaders a dataset may refer to: their state moves every epoch (the iterator in use), which is
 # no change of the dataset. Compared by identity only.
-_LOADER_MODULES = frozenset({"gloader._iterator", "gloader._engine", "gloader._pool", "torch.utils.data.dataloader"})
+_LOADER_MODULES = frozenset({"gloader._iterator", "gloader._serving", "gloader._engine", "gloader._backends", "gloader._task",
+                            "gloader._pool", "torch.utils.data.dataloader"})
 _LOADER_CLASSES = frozenset({("gloader", "DataLoader"), ("gloader", "WorkerPool")})  # exported as gloader's
 
 Picture = dict[str, Any]  # path ('dataset.transform.size') -> entry

@@ -2,15 +2,16 @@
 their answers as they arrive (see `_engine` for the whole flow)."""
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any, Callable
 
 from ._caller_slots import SlotPool
-from ._protocol import Job, decode_answers
+from ._protocol import Job, Loaded, decode_answer, decode_answers, decode_keys
 from ._segment import Slot
-from ._waits import as_ctrl_c
+from ._waits import as_ctrl_c, ctrl_c_as_itself
 
-__all__ = ["Task"]
+__all__ = ["Task", "TaskWindow", "describe_keys"]
 
 # How long one wait lasts, on a task whose pool does not ring when a worker exits or another
 # task finishes (thread workers, in-process, Ray), before the engine looks at the deadline
@@ -58,6 +59,20 @@ class Task:
         # Thread workers: set to [True] when nobody will collect the task; its batches not yet
         # begun are skipped (see _worker.run_task). None for process workers.
         self.cancel: list[bool] | None = None
+
+    def undecodable(self, position: int, slots: SlotPool | None, exc: Exception) -> None:
+        """The answer of batch `position` could not be decoded (`exc`): its share of the slot
+        is given back, and a note on `exc` names the batch."""
+        if slots is not None:
+            slots.give_back(self.slot, None)
+        job = self.jobs[position]
+        exc.add_note(f"gloader: batch {job.number} of epoch {job.epoch}{describe_keys(job)} was loaded by a "
+                     "worker, but its answer could not be rebuilt in this process")
+
+    def skip(self) -> None:
+        """Have the thread worker skip the batches it has not begun (nobody will collect them)."""
+        if self.cancel is not None:
+            self.cancel[0] = True
 
     @property
     def next_job(self) -> Job:
@@ -133,3 +148,91 @@ class Task:
             raise RuntimeError(f"internal error: the task of batches {self.jobs[0].number}-{self.jobs[-1].number} "
                                f"ended without an answer for batch {self.next_job.number}")
         return self.has_next
+
+
+class TaskWindow(collections.deque[Task]):
+    """The engine's tasks in flight, oldest first, and those discarded (nobody will collect
+    them), kept until their batches' slot shares come back (`reap`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.discarded: list[Task] = []
+
+    @property
+    def in_flight(self) -> int:
+        """Batches dispatched and not yet collected."""
+        return sum(len(task.jobs) - task.taken for task in self)
+
+    def drop(self, task: Task) -> None:
+        """`task` leaves the window (a failure while receiving its answers)."""
+        self.remove(task)
+        self.discarded.append(task)
+
+    def discard(self, epoch: int | None = None) -> None:
+        """The tasks of `epoch` (every task when None) leave the window; thread workers skip
+        their batches not yet begun."""
+        for task in list(self):
+            if epoch is None or task.epoch == epoch:
+                task.skip()
+                self.drop(task)
+
+    def skip(self, epoch: int) -> None:
+        """Thread workers skip the batches of `epoch` they have not begun (only flags are set)."""
+        for task in list(self):
+            if task.epoch == epoch:
+                task.skip()
+
+    def first_ready(self, epoch: int, has_next: Callable[[Task], bool]) -> Task | None:
+        """The first task of `epoch` whose next batch's answer is in (in_order=False)."""
+        for task in self:
+            if task.epoch != epoch:
+                return None
+            if has_next(task):
+                return task
+        return None
+
+    def reap(self, slots: SlotPool | None) -> None:
+        """Give back the slot shares of the discarded tasks' uncollected batches as their
+        answers come; keep the tasks still running (none without slots: nothing to give back)."""
+        if slots is None:
+            self.discarded = []
+            return
+        keep = []
+        for task in self.discarded:
+            try:
+                task.receive(slots)
+            except Exception:  # what did not arrive never will
+                task.done = True
+            for position in list(task.answers):
+                try:
+                    message = decode_answer(task.answers.pop(position))
+                except Exception:
+                    message = None
+                slots.give_back(task.slot, message.batch if isinstance(message, Loaded) else None)
+                task.taken += 1
+            if task.done:  # answers that never came (the slot was retired first): their share
+                for _ in range(task.taken, len(task.jobs)):
+                    slots.give_back(task.slot, None)
+            else:
+                keep.append(task)
+        self.discarded = keep
+
+    def drain(self, backend: Any, timeout_s: float) -> None:
+        """Leaving a shared pool: let the discarded tasks finish, up to `timeout_s`, before
+        the slots go; the pool forgets those that did not (a dead worker's never will)."""
+        deadline = time.monotonic() + timeout_s
+        for task in self.discarded:
+            with ctrl_c_as_itself():
+                task.result.wait(max(0.0, deadline - time.monotonic()))
+        for task in self.discarded:
+            if not task.result.ready():
+                backend.forget(task.result)
+        self.reap(backend.slots)
+
+
+def describe_keys(job: Job) -> str:
+    """" (sample indices [...])" for a job of a map-style epoch, else ""."""
+    if not isinstance(job.work, (bytes, list)):
+        return ""
+    keys = decode_keys(job.work)
+    return f" (sample indices {keys[:8]}{'...' if len(keys) > 8 else ''})"

@@ -1,70 +1,38 @@
 """DataLoader: Gluon's DataLoader API on a persistent, supervised worker pool.
 
-A facade: it checks the arguments into a `LoaderConfig`, and delegates epochs to a
-`Schedule`, loading to an `Engine` and iteration to an `EpochIterator`. The flow is drawn in
-`_engine`.
+A facade: it checks the arguments into a `LoaderConfig` (torch's attributes read it:
+`_attributes`), and delegates the epochs served and the position to `Serving`, their
+batches to a `Schedule`, loading to an `Engine` and iteration to an `EpochIterator`. The
+flow is drawn in `_engine`.
 """
 from __future__ import annotations
 
 import functools
 import itertools
-import logging
-import warnings
 import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
-import torch.utils.data as torch_data
-
 from . import _shared_pool
+from ._attributes import IN_VARS, TorchAttributes
 from ._device import DevicePipeline, warn_if_cannot_pin
 from ._engine import Engine
-from ._iterator import EpochIterator, Position
 from ._options import LoaderConfig, warn_if_every_rank_loads_everything
 from ._payload import build_payload
 from ._ray import RayPool
-from ._schedule import Epoch, Schedule
+from ._schedule import Schedule
 from ._seed import draw_base_seed
+from ._serving import LatestIterator, Serving
 from ._shared_pool import WorkerPool
 from ._stats import PipelineStats
-from .batchify import EachSample
 
 __all__ = ["DataLoader"]
 
-logger = logging.getLogger(__name__)
 
 _LOADER_IDS = itertools.count(1)
 _T_co = TypeVar("_T_co", covariant=True)
 
 
-class _ReadOnlyAttributeError(AttributeError, ValueError):
-    """Setting a loader attribute: an AttributeError, and a ValueError, as torch's DataLoader
-    raises for `batch_size`, `sampler`, `dataset` and the like, so code catching either works."""
-
-
-def _read_only(name: str, loader: Any) -> _ReadOnlyAttributeError:
-    return _ReadOnlyAttributeError(f"DataLoader.{name} is read-only; build a new DataLoader to change it",
-                                   name=name, obj=loader)
-
-
-class _FromConfig:
-    """A read-only loader attribute, read from the loader's checked config; also in the
-    loader's instance dict (see _IN_VARS)."""
-
-    def __init__(self, field: str, doc: str) -> None:
-        self._field = field
-        self.__doc__ = doc
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    def __get__(self, loader: Any, owner: type) -> Any:
-        return self if loader is None else getattr(loader._options, self._field)
-
-    def __set__(self, loader: Any, value: Any) -> None:
-        raise _read_only(self._name, loader)
-
-
-class DataLoader(torch_data.DataLoader[_T_co]):
+class DataLoader(TorchAttributes[_T_co]):
     """Loads batches from a dataset, in-process or on a persistent pool of workers.
 
     A `torch.utils.data.DataLoader` to code that checks (`isinstance`), with its attributes;
@@ -168,224 +136,28 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self._schedule = Schedule(config.batch_sampler, config.stream, config.base_seed, config.lookahead,
                                   functools.partial(draw_base_seed, config.generator),
                                   config.sampler if config.own_shuffle else None)
-        self._iterated = False  # iter() was called: torch's persistent workers draw no new base seed after
         self._engine = Engine(config, self._id, functools.partial(_make_payload, config, self._schedule))
-        self._latest = _LatestIterator()
-        self._finalizer = weakref.finalize(self, _close_unreferenced, self._engine, self._latest)
+        self._serving = Serving(config, self._schedule, self._engine)
+        self._finalizer = weakref.finalize(self, _close_unreferenced, self._engine, self._serving.latest)
         self._device = DevicePipeline(config.device) if config.device is not None else None
         self._stats = PipelineStats()
-        # The current iterator is held weakly, in `_latest` (an iterator the caller drops
-        # mid-epoch is noticed, see Engine.abandon); where it stands outlives it (state_dict).
-        self._position: Position | None = None
-        self._reported_samples: int | None = None  # a stream's len(dataset), once len(loader) was taken
         self._closed = False
         if config.pin_memory:
             warn_if_cannot_pin()
         _shared_pool.track(self._engine)
-        self.__dict__.update({name: getattr(self, name) for name in _IN_VARS})  # read through the properties
+        self.__dict__.update({name: getattr(self, name) for name in IN_VARS})  # read through the properties
         self.__dict__["timeout"] = config.timeout_s  # as given: a gloader DataLoader built again refuses 0
         if config.cpu_budget is not None:  # a loader built again from vars() tunes its workers too
             self.__dict__["num_workers"] = "auto"
-
-    # torch's DataLoader attributes, read-only (the loader is built from them once).
-    dataset = _FromConfig("dataset", "The dataset batches are loaded from.")
-    batch_size = _FromConfig("batch_size", "Samples per batch; None with batch_sampler= or batch_size=None.")
-    sampler = _FromConfig("sampler", "The sampler that decides the order (call its set_epoch between "
-                                     "epochs); None for a stream or a batch_sampler without one.")
-    drop_last = _FromConfig("drop_last", "Whether a short last batch is dropped (last_batch='discard').")
-    num_workers = _FromConfig("num_workers", "Worker processes (or threads); 0 loads in the calling thread.")
-    pin_memory = _FromConfig("pin_memory", "Whether batches are pinned.")
-
-    @property
-    def timeout(self) -> float:
-        """Most seconds to wait for one batch from the workers; 0.0 with num_workers=0, where
-        batches load in the calling thread and nothing waits (torch's value there, which a torch
-        DataLoader built from this one's attributes requires: Accelerate's prepare()).
-        `vars(loader)["timeout"]` keeps the value given, for a DataLoader built again from vars()."""
-        return 0.0 if self._options.num_workers == 0 else self._options.timeout_s
-
-    @timeout.setter
-    def timeout(self, value: Any) -> None:
-        raise _read_only("timeout", self)
-    worker_init_fn = _FromConfig("worker_init_fn", "Called once in each worker with its id.")
-    prefetch_factor = _FromConfig("prefetch_factor", "Batches in flight per worker (None without workers).")
-    collate_fn = _FromConfig("batchify_fn", "The batchify function (torch's name).")
-    generator = _FromConfig("generator", "The torch.Generator the seed was drawn from, if one was given.")
-    persistent_workers = _FromConfig("persistent_workers", "As given (False by default). Workers persist either way; "
-                                                           "True also keeps their copy of the dataset, unchanged.")
-    in_order = _FromConfig("in_order", "Whether batches come in sampler order (False: a ready batch may go first).")
-    fetch_threads = _FromConfig("fetch_threads", "Threads each worker fetches a batch's samples with (None: one).")
-    cpu_budget = _FromConfig("cpu_budget", "num_workers='auto': the CPUs the workers may keep busy (None otherwise).")
-    memory_budget = _FromConfig("memory_budget", "num_workers='auto': the bytes of memory the workers may hold "
-                                                 "(None otherwise, or where it cannot be measured).")
-    pin_device_id = _FromConfig("pin_device_id", "The CUDA device pinned memory is meant for.")
-    device = _FromConfig("device", "The CUDA device batches are moved to (None: they stay on the host).")
-    seed = _FromConfig("seed", "The seed given (None: drawn from torch's default generator).")
-    thread_pool = _FromConfig("thread_pool", "Whether the workers are threads of this process.")
-    pool = _FromConfig("pool", "The WorkerPool or RayPool the loader runs on, if one was given.")
-    progress = _FromConfig("progress", "Whether a progress bar is shown.")
-
-    @property
-    def multiprocessing_context(self) -> Any:
-        """The context object given as multiprocessing_context, else, as torch returns it, the
-        multiprocessing context of the start method named (None: the platform's default)."""
-        if self._options.mp_context is not None:
-            return self._options.mp_context
-        if self._options.start_method is None:
-            return None
-        import multiprocessing  # as torch's, a name given comes back as the stdlib's context of that name
-
-        return multiprocessing.get_context(self._options.start_method)
-
-    @multiprocessing_context.setter
-    def multiprocessing_context(self, value: Any) -> None:
-        raise _read_only("multiprocessing_context", self)
-
-    @property
-    def pin_memory_device(self) -> str:
-        """torch's attribute: '' (the pin thread's device is `pin_device_id`)."""
-        return ""
-
-    @pin_memory_device.setter
-    def pin_memory_device(self, value: str) -> None:
-        raise _read_only("pin_memory_device", self)
-
-    @property
-    def _auto_collation(self) -> bool:
-        """torch's: whether batches are made from lists of indices (batch_size or batch_sampler)."""
-        return self.batch_sampler is not None
-
-    @property
-    def _index_sampler(self) -> Any:
-        """torch's: what yields each batch's keys (the batch sampler, or the sampler unbatched)."""
-        return self.batch_sampler if self._auto_collation else self.sampler
-
-    @property
-    def batch_sampler(self) -> Any:
-        """The batch sampler: the one given, or the one built from batch_size (None for a stream
-        or with batch_size=None)."""
-        opts = self._options
-        unbatched = isinstance(opts.batchify_fn, EachSample)
-        return None if opts.stream is not None or unbatched else opts.batch_sampler
-
-    @batch_sampler.setter
-    def batch_sampler(self, value: Any) -> None:
-        raise _read_only("batch_sampler", self)
 
     def __iter__(self) -> Iterator[_T_co]:  # type: ignore[override]  # torch's returns its own iterator type
         if self._closed:
             raise RuntimeError("this DataLoader is closed; create a new one")
         warn_if_every_rank_loads_everything(self._options)
-        self._draw_as_torch_does()
-        previous, position = self._epoch_iter, self._position
-        if previous is not None and previous.untouched:
-            previous.stop("a newer iter(loader)", keep_epoch=True)
-            epoch = self._probed_epoch(previous.epoch)
-        elif previous is None and position is not None and not position.asked and not position.finished:
-            epoch = self._probed_epoch(position.epoch)  # a probe dropped before use: the same
-        else:
-            self._end_iterator("a newer iter(loader)")
-            self._follow_dataset_changes()
-            self._redraw_stale_lookahead()
-            epoch = self._schedule.open()
-        iterator = EpochIterator(self._engine, self._schedule, epoch, self._stats, self._options, self._device)
-        self._latest.ref = weakref.ref(iterator)
-        self._position = iterator.position
-        weakref.finalize(iterator, self._engine.abandon, iterator.position)
-        iterator.reported_samples = self._reported_samples
-        return iterator
-
-    @property
-    def _epoch_iter(self) -> EpochIterator | None:
-        """The current iterator while the caller holds it."""
-        return self._latest.ref() if self._latest.ref is not None else None
-
-    def _follow_dataset_changes(self) -> None:
-        """Let the epoch about to start see changes the caller made to the dataset since the
-        worker processes took their copy (`dataset.set_epoch(e)`, a new transform): the
-        loader's own workers are restarted, as torch's non-persistent workers are every epoch;
-        a shared WorkerPool's cannot be, which a warning says. See `_snapshot` for what is seen."""
-        changed = self._engine.dataset_change()
-        if changed is None:
-            return
-        if self._engine.owns_workers:
-            logger.info("%s changed since the worker processes took their copy of the dataset: restarting them "
-                        "for the epoch about to start", changed)
-            self._engine.stop_workers()  # batches opened ahead, from the old copy, go with them
-            self._schedule.rewind_upcoming()
-            return
-        self._engine.accept_dataset()
-        warnings.warn(f"{changed} changed since this DataLoader joined its WorkerPool, whose worker processes keep "
-                      "the dataset as it was then; make a new DataLoader on the pool to load the changed dataset",
-                      RuntimeWarning, stacklevel=3)
-
-    def _draw_as_torch_does(self) -> None:
-        """torch's DataLoader draws from torch's generators at every iter(), and nothing when it
-        is built: its base seed (from `generator`, else the default generator; persistent
-        workers reuse their iterator and draw it once) and, shuffling with its own RandomSampler
-        without a generator, that sampler's seed. The same draws at the same moments leave
-        torch's default generator where torch leaves it, so a model built after the loader, or
-        dropout after iter(), draws the same numbers. The first base seed drawn is the loader's;
-        the later draws only keep step with torch. With seed= (gloader's own, which torch code
-        never passes) nothing is drawn: the caller's generators are left untouched."""
-        config = self._options
-        if config.seed is not None:
-            return
-        if not (self._iterated and config.persistent_workers):
-            self._schedule.adopt_seed(draw_base_seed(config.generator))
-        if config.own_shuffle and config.generator is None:
-            draw_base_seed()
-        self._iterated = True
-
-    def _probed_epoch(self, epoch: Epoch) -> Epoch:
-        """The epoch to serve after a probe (an iterator made and dropped before its first batch,
-        as Lightning's): a probe does not use up an epoch, so its epoch (and its batches in
-        flight) serve on, unless the caller set the sampler since it was drawn
-        (`set_epoch(e)`): then it is drawn again, as if no probe had been made."""
-        upcoming = self._schedule.upcoming
-        drawn = [epoch] if upcoming is None else [epoch, upcoming]
-        if self._schedule.keeps(drawn):
-            return epoch
-        for stale in drawn:
-            self._engine.discard(stale.number)
-        self._schedule.redraw(epoch)
-        return self._schedule.open()
-
-    def _redraw_stale_lookahead(self) -> None:
-        """The epoch opened ahead was drawn for a dataset length that has changed since (a
-        growing replay buffer), or before the caller's `loader.sampler.set_epoch(e)`: drop its
-        batches in flight and draw it again when opened."""
-        upcoming = self._schedule.upcoming
-        if upcoming is not None and not self._schedule.keeps([upcoming]):
-            self._engine.discard(upcoming.number)
-            self._schedule.redraw(upcoming)
-
-    def _end_iterator(self, reason: str) -> None:
-        iterator, position = self._epoch_iter, self._position
-        if iterator is not None:
-            iterator.stop(reason)
-        elif position is not None and not position.finished and position.asked:
-            self._engine.discard(position.epoch.number)  # dropped mid-epoch: its batches in flight go
-
-    def _served(self) -> tuple[Any, int, bool]:
-        position = self._position
-        return (None, 0, False) if position is None else (position.epoch, position.yielded, position.finished)
+        return self._serving.iterate(self._stats, self._device)
 
     def __len__(self) -> int:
-        if self._options.stream is not None:
-            if self._options.stream_batches is None:
-                raise TypeError("a DataLoader over an IterableDataset has no length: the stream decides when "
-                                "it ends (give the dataset __len__ for torch's estimate)")
-            self._reported_samples = len(self._options.dataset)  # epochs that outrun it warn from now on
-            if self._epoch_iter is not None and not self._epoch_iter.finished:
-                self._epoch_iter.reported_samples = self._reported_samples
-            return self._options.stream_batches
-        if self._position is None or self._position.finished:
-            self._redraw_stale_lookahead()  # between epochs: the next one's length as the dataset is now
-        length = self._schedule.length(self._served()[0], self._served()[2])
-        if length is None:
-            raise TypeError("this DataLoader's batch_sampler has no __len__")
-        return length
+        return self._serving.length()
 
     def state_dict(self) -> dict[str, Any]:
         """Return where the loader stands: enough for another loader to continue exactly.
@@ -400,15 +172,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             TypeError: for an IterableDataset, which has no positions to resume from.
             ValueError: in the middle of an epoch that `in_order=False` served out of order.
         """
-        if self._options.stream is not None:
-            raise TypeError("state_dict needs a map-style dataset; an IterableDataset stream has no "
-                            "positions to resume from")
-        served = self._served()
-        if served[0] is not None and not served[2] and self._engine.reordered_epoch == served[0].number:
-            raise ValueError(f"state_dict() in the middle of epoch {served[0].number}, which in_order=False served "
-                             "out of order: a position cannot say which of its batches you have; take it "
-                             "between epochs, or use in_order=True")
-        return self._schedule.state_dict(*served)
+        return self._serving.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (made by `state_dict`): the next iteration yields exactly the
@@ -418,10 +182,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             ValueError: when `state` lacks a key that `state_dict` writes, or holds an
                 impossible value (naming the field).
         """
-        self._end_iterator("load_state_dict")
-        self._latest.ref, self._position = None, None
-        self._engine.discard()
-        self._schedule.load_state_dict(state)
+        self._serving.load_state_dict(state)
 
     def close(self) -> None:
         """Stop the workers (or leave the shared pool) and release shared memory; idempotent.
@@ -431,7 +192,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         if self._closed and not hasattr(self, "_engine"):
             return
         self._closed = True
-        self._end_iterator("close")
+        self._serving.end("close")
         self._finalizer.detach()
         self._engine.close()
         if self._device is not None:
@@ -474,11 +235,11 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             "from", "to", "why" (what was measured)}. With fetch_threads, also "fetch_threads":
             {worker id: threads its latest batch was fetched with}.
         """
-        resident, mapped = self._engine.shared_memory_bytes()
-        snapshot = self._stats.snapshot(self._engine.in_flight, resident)
+        resident, mapped = self._engine.workers.shared_memory_bytes()
+        snapshot = self._stats.snapshot(self._engine.tasks.in_flight, resident)
         snapshot["shared_memory_capacity_bytes"] = mapped
         opts = self._options
-        workers: dict[str, Any] = {"count": self._engine.worker_count, "kind": opts.worker_kind,
+        workers: dict[str, Any] = {"count": self._engine.workers.count, "kind": opts.worker_kind,
                                    "chosen_by": opts.workers_chosen}
         tuner = self._engine.tuner
         if tuner is not None:
@@ -498,7 +259,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes now running for this loader (empty before the first batch)."""
-        return self._engine.worker_pids()
+        return self._engine.workers.pids()
 
     def __repr__(self) -> str:
         opts = self._options
@@ -513,23 +274,7 @@ def _make_payload(config: LoaderConfig, schedule: Schedule, pickled: bool) -> An
     return payload
 
 
-# Attributes a torch DataLoader keeps in its instance dict, which tools read through vars()
-# to build the loader again (Lightning, to put in a DistributedSampler); also the Gluon
-# arguments with no torch name, so a loader built again keeps them.
-_IN_VARS = tuple(name for name, attribute in vars(DataLoader).items() if isinstance(attribute, _FromConfig)) + (
-    "timeout", "pin_memory_device", "batch_sampler")
-
-
-class _LatestIterator:
-    """A loader's newest iterator, held weakly: the loader's current one, and what its finalizer waits for."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self) -> None:
-        self.ref: weakref.ref[EpochIterator] | None = None
-
-
-def _close_unreferenced(engine: Engine, latest: _LatestIterator) -> None:
+def _close_unreferenced(engine: Engine, latest: LatestIterator) -> None:
     """A dropped loader's finalizer: its workers stop now or, while its newest iterator is still
     in use, once that iterator is dropped too. `for batch in DataLoader(...)` and
     `next(iter(DataLoader(...)))` keep only the iterator: the loader is collected before the

@@ -80,10 +80,10 @@ def test_the_pin_thread_reuses_slots_in_steady_state() -> None:
     with _pinned_loader(ImageDataset(1024), batch_size=16, shuffle=True, num_workers=2) as loader:
         for _ in range(2):  # settle: every slot the loop needs exists
             assert all(images.shape == (16, 224, 224, 3) for images, _ in loader)
-        created = loader._engine.slots.segments_created
+        created = loader._engine.workers.slots.segments_created
         for _ in range(3):
             assert all(images.shape == (16, 224, 224, 3) for images, _ in loader)
-        assert loader._engine.slots.segments_created - created <= 2  # of 192 batches
+        assert loader._engine.workers.slots.segments_created - created <= 2  # of 192 batches
 
 
 def test_device_cpu_is_a_no_op() -> None:
@@ -154,7 +154,7 @@ def test_device_batches_come_straight_from_page_locked_slots_and_stay_right_when
                 with torch.cuda.stream(side_stream):  # delays the next copies: their slots must stay taken
                     torch.cuda._sleep(20_000_000)  # ~10 ms
             assert [b.cpu().tolist() for b in got] == [b.tolist() for b in expected[epoch]], f"epoch {epoch}"
-        slots = [slot for slot in loader._engine.slots._slots.values() if not slot.probe]
+        slots = [slot for slot in loader._engine.workers.slots._slots.values() if not slot.probe]
         assert slots and all(torch.frombuffer(slot.segment, dtype=torch.uint8).is_pinned() for slot in slots)
 
 

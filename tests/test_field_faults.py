@@ -28,7 +28,7 @@ def _kill_and_wait_for_replacement(pids: list[int], victim: int) -> None:
 def test_a_worker_dying_while_idle_is_reported_once_then_loading_goes_on() -> None:
     with DataLoader(_data.WhoLoads(), batch_size=4, num_workers=2) as loader:
         list(loader)
-        status = loader._engine._backend.core.status
+        status = loader._engine.workers.backend.core.status
         # Each worker marks itself idle once its last result is sent: a death now lost nothing.
         assert wait_until(lambda: all(status.doing(pid) is None for pid in loader.worker_pids()), 5.0)
         victim = loader.worker_pids()[0]
@@ -147,7 +147,7 @@ def test_a_batch_the_caller_waits_for_comes_when_written_not_after_a_slow_one_be
         it = iter(loader)
         for _ in range(100):
             next(it)
-        first = loader._engine._tasks[-1].jobs[-1].number + 1  # the first batch of a task not dispatched yet
+        first = loader._engine.tasks[-1].jobs[-1].number + 1  # the first batch of a task not dispatched yet
         assert loader._engine.batches_per_task() > 4 and first < 900
         flag.write_text(f"{2 * first} {2 * first + 2}")
         for _ in range(first - 100):
@@ -495,7 +495,7 @@ def test_an_iterator_dropped_mid_epoch_on_thread_workers_stops_its_batches_not_b
     with DataLoader(dataset, batch_size=1, num_workers=2, thread_pool=True, prefetch=6) as loader:
         it = iter(loader)
         assert [int(next(it)) for _ in range(2)] == [0, 1]  # batches 2-7 in flight: 2 begun (at the gate), 4 queued
-        tasks = list(loader._engine._tasks)
+        tasks = list(loader._engine.tasks)
         assert len(tasks) == 6
         assert wait_until(lambda: sorted(dataset.waiting) == [2, 3], 10.0)  # both threads took their next batch
         del it  # an early break: the caller drops the iterator

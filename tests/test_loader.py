@@ -526,7 +526,7 @@ def test_the_first_task_of_each_epoch_carries_one_batch_and_the_rest_whole_count
         engine = loader._engine
         assert engine.batches_per_task() >= 8
         sent: list[tuple[int, int, int]] = []
-        backend = engine._backend
+        backend = engine.workers.backend
         submit = backend.submit
 
         def spy(args: tuple, on_ready: object) -> object:

@@ -52,7 +52,7 @@ def _pool(workers: int) -> RayPool:
 
 def actors_of(loader: DataLoader) -> list[Any]:
     """The Ray actors of a loader now running (its strategy's)."""
-    backend = loader._engine._backend
+    backend = loader._engine.workers.backend
     return list(backend._actors) if backend is not None else []
 
 

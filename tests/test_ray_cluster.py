@@ -60,12 +60,12 @@ def test_a_node_removed_mid_epoch_changes_no_batch(cluster: Any) -> None:
     with DataLoader(Slow(), pool=pool, **kwargs) as loader:
         iterator = iter(loader)
         got = [next(iterator) for _ in range(4)]
-        actors = list(loader._engine._backend._actors)
+        actors = list(loader._engine.workers.backend._actors)
         nodes = [_node_of(actor) for actor in actors]
         doomed = next(node for node in cluster.worker_nodes if node.node_id in nodes)
         cluster.remove_node(doomed)
         got += list(iterator)
-        after = list(loader._engine._backend._actors)
+        after = list(loader._engine.workers.backend._actors)
         replaced = [old for old, node in zip(actors, nodes) if node == doomed.node_id]
         assert replaced and all(old not in after for old in replaced)
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))

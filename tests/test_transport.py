@@ -185,7 +185,7 @@ def test_workers_reuse_slots_in_steady_state_and_held_batches_survive(start_meth
         for _ in range(2):  # settle: the next epoch's first batches were dispatched while those were held
             for batch in loader:  # the loop below holds its batch the same way
                 assert batch.shape == (16, 8)
-        slots = loader._engine.slots
+        slots = loader._engine.workers.slots
         created = slots.segments_created
         for _ in range(3):
             for batch in loader:
@@ -294,7 +294,7 @@ def test_a_batch_freed_while_the_slot_pool_holds_its_lock_does_not_deadlock() ->
         it = iter(loader)
         next(it)  # travels in its handle: the caller learns the size
         batch = next(it)  # written into a slot
-        slots = loader._engine.slots
+        slots = loader._engine.workers.slots
         free = len(slots._free)
         with slots._lock:  # as if the collector ran inside acquire(): release() comes from this thread
             del batch
@@ -401,7 +401,7 @@ def test_one_large_batch_does_not_size_the_slots_that_follow_it() -> None:
                     num_workers=2, batchify_fn=_data.first_sample) as loader:
         for index, _ in enumerate(loader):
             if index == 150:
-                assert loader._engine.slots.in_use_bytes() < 4 << 20  # a few small slots
+                assert loader._engine.workers.slots.in_use_bytes() < 4 << 20  # a few small slots
 
 
 def test_an_idle_loader_gives_back_the_memory_of_dropped_batches_within_a_second() -> None:

@@ -143,11 +143,11 @@ def test_the_next_epoch_opens_with_a_wider_window_while_the_caller_is_away(cpu_b
         engine, tuner = loader._engine, loader._engine.tuner
         assert sorted(int(row) for batch in loader for row in batch[:, 0] // width) == list(range(64))
         assert tuner.count == cpu_budget and tuner.window_between_epochs == 2 * tuner.window == 4 * cpu_budget
-        assert len(engine._tasks) == tuner.window_between_epochs  # the next epoch's first batches
+        assert len(engine.tasks) == tuner.window_between_epochs  # the next epoch's first batches
         it = iter(loader)
         next(it)
         assert engine.window == tuner.window  # the caller is in the epoch: nothing more is dispatched
-        assert len(engine._tasks) == tuner.window_between_epochs - 1
+        assert len(engine.tasks) == tuner.window_between_epochs - 1
         assert len([batch for batch in it]) == 15
 
 
@@ -371,7 +371,7 @@ def test_a_dataset_exiting_with_the_retire_code_while_the_pool_shrinks_is_a_deat
     with DataLoader(dataset, batch_size=2, num_workers="auto", cpu_budget=2) as loader:
         def shrink_then_exit() -> None:  # while the caller waits for batch 0
             if wait_until(stamp.exists, 30.0):
-                assert loader._engine._backend.core.resize(1)
+                assert loader._engine.workers.backend.core.resize(1)
             go.touch()
 
         helper = threading.Thread(target=shrink_then_exit)

@@ -13,8 +13,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # gloader's modules from the bottom up; a module may import only from layers before its own.
-# The caller-side core reads top-down: loader -> _iterator -> _engine -> _schedule/_options ->
-# _pool -> _worker -> _fetch -> _rows -> the supporting modules.
+# The caller-side core reads top-down: loader -> _serving -> _iterator -> _engine -> _backends ->
+# _schedule/_options -> _pool -> _worker -> _fetch -> _rows -> the supporting modules.
 LAYERS = [
     {"_checks", "_math", "_mppool", "_pooldir", "_protocol", "_seed", "_segment", "_waits", "_snapshot", "_tree", "_stats"},
     {"_admission", "_mpclasses", "_registry", "_caller_slots", "_worker_slots", "_plans", "sampler", "_device"},
@@ -25,9 +25,10 @@ LAYERS = [
     {"_pool", "_ray"},
     {"_shared_pool"},
     {"_options", "_schedule"},
-    {"_backends"},
+    {"_backends", "_attributes"},
     {"_engine"},
     {"_iterator"},
+    {"_serving"},
     {"loader"},
     {"__init__"},
     {"bench"},
