@@ -91,7 +91,7 @@ class Serving:
         self._engine.workers.accept_dataset()
         warnings.warn(f"{changed} changed since this DataLoader joined its WorkerPool, whose worker processes keep "
                       "the dataset as it was then; make a new DataLoader on the pool to load the changed dataset",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=4)
 
     def _draw_as_torch_does(self) -> None:
         """torch's DataLoader draws from torch's generators at every iter(), and nothing when it

@@ -92,8 +92,9 @@ def test_a_dataset_changed_under_a_shared_pool_gets_a_warning_that_says_what_to_
         assert torch.cat(list(loader)).tolist() == list(range(8))
         dataset.scale = 10
         with pytest.warns(RuntimeWarning, match=r"dataset.scale changed since this DataLoader joined its "
-                                                r"WorkerPool.*make a new DataLoader on the pool"):
+                                                r"WorkerPool.*make a new DataLoader on the pool") as said:
             batches = list(loader)
+        assert said[0].filename == __file__  # points at the user's iteration, not into gloader
         assert torch.cat(batches).tolist() == list(range(8))  # the pool's copy, as the warning says
         assert torch.cat(list(loader)).tolist() == list(range(8))  # said once per change
     with WorkerPool(2) as pool, DataLoader(dataset, batch_size=4, num_workers=2, pool=pool) as fresh:
