@@ -115,7 +115,6 @@ class _Lendable:
     __slots__ = ("segment", "header", "token", "capacity", "fd", "pending", "probe", "holes", "lent", "collected",
                  "extent", "released", "tail_given", "lendings", "answers_read", "answers_end")
 
-
     def __init__(self, fd: int, segment: Segment) -> None:
         self.segment = segment
         self.header = Header.from_buffer(segment)

@@ -131,8 +131,6 @@ class Deaths:
         """`process` as torch lists a worker, answering after the pool has closed it."""
         return WorkerProcess(process, self._exit_codes)
 
-
-
     def notice(self, pool: Any, status: StatusTable | None) -> None:
         """Look at every process `pool` started (`status`: what each worker is doing)."""
         # Every process the pool starts, from its own record: a replacement that died before
@@ -169,7 +167,7 @@ class Deaths:
                     "each worker, so guard it with `if __name__ == '__main__':` (its traceback is on stderr)")
                 self._pending.append(_Death(text, None))
                 continue
-            doing = status.doing(process.pid) if status is not None else None
+            doing = status.doing(process.pid)
             text = f"DataLoader worker (pid {process.pid}) {describe_exit(code)}"
             if doing is not None:
                 text += f". It was loading batch {doing[2]} of epoch {doing[1]} for loader {doing[0]}"

@@ -104,7 +104,6 @@ def _unmap(address: int, size: int, unregister: Callable[[], None] | None) -> No
 def map_fd(fd: int, size: int, register: Register | None = None) -> Segment:
     """Map `size` bytes of `fd` shared, keeping no file descriptor.
 
-
     Python's mmap.mmap duplicates the descriptor and keeps it while mapped: one fd per batch
     the caller holds, so ~1,000 held batches hit the usual `ulimit -n 1024`. Mapped here with
     libc's mmap, the segment is a ctypes byte array over the mapping, unmapped when it and

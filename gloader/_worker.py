@@ -41,7 +41,6 @@ __all__ = ["EXIT_CALLER_GONE", "PoolSpec", "StatusTable", "WorkerState", "execut
 logger = logging.getLogger(__name__)
 
 
-
 class StatusTable:
     """What each process worker is doing, in shared memory the caller reads when one dies.
 

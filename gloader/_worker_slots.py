@@ -71,7 +71,6 @@ def close_inherited_segments() -> int:
 class SlotMaps:
     """Worker-side mappings of lent slots, kept across batches (least recently used out).
 
-
     Args:
         max_maps: how many slots stay mapped. Larger: fewer re-maps when many slots
             circulate; smaller: fewer mappings to check when pruning.
@@ -154,7 +153,6 @@ class _Placement:
     """Leaves placed one after the other, each at a multiple of ALIGN_BYTES, in the order
     `_encode` visits them: describing a plan and laying it out is one pass."""
 
-
     __slots__ = ("placed", "total")
 
     def __init__(self) -> None:
@@ -171,7 +169,6 @@ class _Placement:
 class SlotSpace:
     """A lent slot as one task fills it (worker side): batches from the start up, each one after
     the one before, and their answers from the end down (`publish`)."""
-
 
     __slots__ = ("slot", "offset", "limit", "view", "header", "published")
 
@@ -221,7 +218,6 @@ class SlotSpace:
 def pack_batch(plan: Any, space: SlotSpace | None, maps: SlotMaps) -> Handle:
     """Write a planned batch into the lent slot, after the task's batches before it, and
     return its handle.
-
 
     Returns `(token, offset, bytes used, encoded plan, None)`; when the batch needs no memory
     or does not fit what is left of the slot, token is 0 and the last field holds the
