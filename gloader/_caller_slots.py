@@ -219,10 +219,10 @@ class _Sizes:
         return max(needed, self.largest) if batches == 1 else needed
 
     def room(self) -> int:
-        """What a slot needs now: room for the most batches a task
-        carries, which the engine keeps within TASK_BYTES unless one batch alone is larger, so
-        an earlier task's count of small batches does not multiply a large one (a task of one
-        large batch asks for its size in `acquire`)."""
+        """What a slot needs now: room for the most batches a task carries, which the engine
+        keeps within TASK_BYTES unless one batch alone is larger, so an earlier task's count of
+        small batches does not multiply a large one (a task of one large batch asks for its size
+        in `acquire`)."""
         return max(self.typical, min(self.most_batches * self.typical, TASK_BYTES)) + \
             self.most_batches * ANSWER_BYTES
 
