@@ -24,6 +24,7 @@ from ._pool import PoolCore, make_core
 from ._protocol import WorkerExitedError
 from ._registry import Payload, Registration
 from ._seed import preserved_global_rng, seed_global_rng
+from ._sizing import TASK_TARGET_S
 from ._snapshot import Picture, first_difference, picture
 from ._tuning import Tuner
 from ._worker import WorkerState, execute
@@ -97,8 +98,10 @@ class InProcess:
         return _Deferred(lambda: [execute(self._state, self._registration, loader_id, epoch, number, seed, work, None)
                                   for number, seed, work in batches])
 
-    # Nothing runs elsewhere: no copy of the dataset, no workers to watch, tune or forget.
+    # Nothing runs elsewhere: no copy of the dataset, no workers to watch, tune or forget, and
+    # no round trip a task of several batches would share.
     copies_dataset = False
+    task_target_s = 0.0
     exits = types.SimpleNamespace(exited=0)  # nothing runs elsewhere to exit
     owns_workers = True
     has_workers = False
@@ -142,6 +145,9 @@ class OnPool:
         # Worker processes hold a copy of the dataset (threads read the caller's); torch's
         # persistent workers keep theirs whatever happens to the caller's.
         self.copies_dataset = slots is not None and not persistent_workers
+        # Process workers group small batches to share a task's round trip; threads share the
+        # caller's memory, with nothing to gain.
+        self.task_target_s = TASK_TARGET_S if slots is not None else 0.0
         self._ready_looked = 0.0  # when the tuner last looked whether a resize is done
         self.exits = core.exits
         # Set by the pool as any task of this loader progresses and when a worker exits: the
@@ -251,6 +257,7 @@ class Backend(Protocol):
     copies_dataset: bool  # workers hold a copy of the dataset, taken when they started
     owns_workers: bool  # the workers are the loader's own (not a shared pool's)
     has_workers: bool  # anything runs outside the caller's thread
+    task_target_s: float  # the worker time a task's batches add up to (see `_sizing`; 0: one batch a task)
     # Its `exited` counts worker exits seen so far, read without a call: the engine asks
     # `find_dead_worker` only after it grew.
     exits: Any

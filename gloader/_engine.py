@@ -56,7 +56,8 @@ from ._protocol import (
 )
 from ._registry import Payload
 from ._sizing import TaskSizer
-from ._task import Task, TaskWindow, describe_keys
+from ._task import Task, TaskWindow, timeout_error
+from ._tree import tensor_bytes
 
 __all__ = ["Collected", "Engine"]
 
@@ -112,9 +113,8 @@ class Engine:
         return self.tuner.window
 
     def batches_per_task(self) -> int:
-        """How many batches the next task carries: one for in-process loading and thread
-        workers (they share the caller's memory: nothing to gain), else see `_sizing`."""
-        return 1 if self.workers.slots is None else self._sizer.per_task
+        """How many batches the next task carries (see `_sizing`)."""
+        return self._sizer.per_task
 
     def fill(self, next_job: Callable[[], Job | None]) -> None:
         """Dispatch jobs from `next_job` until the window is full or it has none."""
@@ -123,7 +123,9 @@ class Engine:
             return  # called after every batch collected: usually the window is still full
         backend = self.workers.backend or self.workers.running()
         slots = backend.slots
-        per_task = self.batches_per_task()
+        if backend.task_target_s != self._sizer.target_s:  # a strategy started: its task size
+            self._sizer.aim(backend.task_target_s)
+        per_task = self._sizer.per_task
         while len(self.tasks) < window:
             first, self._held = self._held or next_job(), None
             if first is None:
@@ -180,12 +182,15 @@ class Engine:
         batch = message.batch
         if message.fetch_threads:
             self.fetch_threads[message.worker_id] = message.fetch_threads
-        if self.tuner is not None and self.workers.backend is not None:
-            self.workers.backend.tune(self.tuner, ready - asked, message.fetch_s + message.batchify_s)
+        backend = self.workers.backend
+        if self.tuner is not None and backend is not None:
+            backend.tune(self.tuner, ready - asked, message.fetch_s + message.batchify_s)
         if slots is not None:
             _, _, size, _, _ = batch  # a Handle
             self._sizer.estimate(message, size)
             batch = slots.rebuild(slot, batch)
+        elif backend is not None and backend.task_target_s:  # whole batches that a task may group (Ray): sized by their tensors
+            self._sizer.estimate(message, tensor_bytes(batch))
         arrived = arrival or message.finished  # in-process loading: no trip back
         timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,
                    "worker_batchify_s": message.batchify_s, "return_s": max(0.0, arrived - message.finished),
@@ -255,13 +260,11 @@ class Engine:
             if give_up is not None and give_up():
                 return False
             if time.monotonic() > deadline:
-                elapsed = time.monotonic() - task.waited[1]
-                job = task.next_job
-                timeout = self._config.timeout_s
-                raise BatchTimeoutError(f"DataLoader timed out after {timeout:g} seconds: batch {job.number} of epoch "
-                                        f"{job.epoch}{describe_keys(job)} took more than {elapsed:.1f} s, the "
-                                        f"loader's timeout={timeout:g}; raise timeout= if batches are legitimately "
-                                        "slow, or look for a hang in the dataset")
+                job, elapsed = task.overdue()
+                if elapsed < self._config.timeout_s:  # a later batch of a task whose batches come back together
+                    deadline = time.monotonic() + self._config.timeout_s - elapsed
+                    continue
+                raise timeout_error(job, elapsed, self._config.timeout_s)
         return True
 
     def _check_workers(self, task: Task) -> None:

@@ -44,6 +44,17 @@ __all__ = ["RayPool"]
 # before the loader gives up with WorkerExitedError (every actor keeps dying: a dataset that
 # kills its process, or a cluster without room). Larger: survives more churn; smaller: fails sooner.
 _RERUNS_PER_WORKER = 2
+# The worker time a task's batches add up to (see `_sizing`). An actor call costs ~1.2 ms of
+# CPU between the caller, Ray's daemons and the actor on a 2-CPU host (small answers, two
+# actors: 1,400-1,900 calls/s), against ~0.15 ms a local task: W3 on RayPool(2) made 2,420
+# samples/s with one batch (16 ms) a call, 2,650 at 0.05 s and 2,840 at 0.1 s a task (medians of
+# 3 rounds). Longer: less overhead; shorter: less in flight, and an answer comes sooner.
+_TASK_TARGET_S = 0.1
+# The concurrency group of the calls that ask an actor what it is loading, answered beside
+# the call that loads (Ray runs each group in its own thread), and how long such an answer may
+# take (the caller waits that long at most, once per batch over its timeout).
+_PROBE_GROUP = "probe"
+_PROBE_S = 5.0
 
 
 def _numpy_leaves(batch: Any) -> Any:
@@ -62,8 +73,10 @@ class _ArrayWriter:
 
 class RayWorker:
     """One worker of a loader on Ray (the actor's class; `ray.remote` wraps it when a pool
-    starts). Its construction registers the loader, as a pool initializer does; never raises
-    (a failure is kept and reported by the loader's first batch)."""
+    starts). Its first task registers the loader, as a pool initializer does, in the thread
+    that runs every task (Ray runs them in one thread of their own beside the probes' thread):
+    a dataset that keeps thread-bound handles (sqlite) is made and used in one thread. Never
+    raises (a failure is kept and reported by each batch)."""
 
     def __init__(self, loader_id: int, payload: Payload, worker_id: int, num_workers: int,
                  caller_path: list[str]) -> None:
@@ -71,9 +84,11 @@ class RayWorker:
         # its paths that exist on this node), before the payload is unpickled.
         sys.path.extend(path for path in caller_path if path not in sys.path and os.path.isdir(path or "."))
         self._loader_id = loader_id
+        self._payload: Payload | None = payload
+        self._worker = (worker_id, num_workers)
         self._state = WorkerState(worker_id, num_workers, _ArrayWriter(), _LocalLink(), _seed_globals,
                                   crosses_process=True)
-        _registry.register_loader(loader_id, payload, worker_id, num_workers, True)
+        self._loading: tuple[int, int, float] | None = None  # (epoch, batch number, since when) being loaded
 
     def ready(self) -> int:
         """The actor's pid, once it is constructed."""
@@ -81,10 +96,23 @@ class RayWorker:
 
     def run(self, epoch: int, batches: tuple[tuple[int, int, Any], ...]) -> list[Any]:
         """Load the task's batches; one answer per batch (Loaded, ShardEnd or WorkerFailure)."""
-        registration = _registry.lookup(self._loader_id)  # registered at construction, which never fails
+        if self._payload is not None:
+            payload, self._payload = self._payload, None
+            _registry.register_loader(self._loader_id, payload, *self._worker, True)
+        registration = _registry.lookup(self._loader_id)  # registered above, which never fails
         assert registration is not None
-        return [execute(self._state, registration, self._loader_id, epoch, number, seed, work, None)
-                for number, seed, work in batches]
+        answers = []
+        for number, seed, work in batches:
+            self._loading = (epoch, number, time.monotonic())
+            answers.append(execute(self._state, registration, self._loader_id, epoch, number, seed, work, None))
+        self._loading = None
+        return answers
+
+    def loading(self) -> tuple[int, int, float] | None:
+        """(epoch, batch number, seconds so far) of the batch being loaded; None between tasks.
+        Called in the probes' concurrency group, while a task runs."""
+        now = self._loading
+        return None if now is None else (now[0], now[1], time.monotonic() - now[2])
 
 
 class RayPool:
@@ -184,6 +212,22 @@ class _RayResult:
             if done:
                 self._take()
 
+    def loading(self) -> tuple[int, float] | None:
+        """(position in the task, seconds so far) of the batch its actor is loading, when it is
+        one of this task's: the answers of a task's batches come back together, so the caller
+        asks which one is late (see `Task.overdue`); None when the actor does not answer in time."""
+        ray = self._backend.ray
+        try:
+            found = ray.get(self.actor.loading.options(concurrency_group=_PROBE_GROUP).remote(), timeout=_PROBE_S)
+        except Exception:  # lost, or busy past the probe's deadline: the batch waited for is the late one
+            return None
+        if found is None or found[0] != self._epoch:
+            return None
+        for position, (number, _, _) in enumerate(self._batches):
+            if number == found[1]:
+                return position, found[2]
+        return None
+
     def get(self, timeout_s: float) -> list[Any]:
         if self._value is None:
             raise RuntimeError("internal error: a Ray task's answers were read before it was ready")
@@ -252,6 +296,7 @@ class OnRay:
     exits = types.SimpleNamespace(exited=0)  # a lost actor's tasks run again elsewhere: no death to report
     has_workers = True
     owns_workers = True
+    task_target_s = _TASK_TARGET_S
 
     def __init__(self, pool: RayPool, config: Any, loader_id: int, payload: Payload) -> None:
         self.ray = pool.connect()
@@ -263,6 +308,7 @@ class OnRay:
         self.copies_dataset = not config.persistent_workers
         self._payload = self.ray.put(payload)
         options: dict[str, Any] = {"num_cpus": pool.num_cpus, "max_restarts": 0, "max_task_retries": 0,
+                                   "concurrency_groups": {_PROBE_GROUP: 1},
                                    **({"resources": pool.resources} if pool.resources else {}), **pool.actor_options}
         self._actor_class = self.ray.remote(**options)(RayWorker)
         self._pending: dict[int, Any] = {}  # worker id -> its actor's ready() while Ray has not placed it

@@ -9,16 +9,17 @@ from ._caller_slots import TASK_BYTES
 from ._mppool import ATOMIC_TASK_BYTES
 from ._protocol import Job, Loaded, StreamRequest
 
-__all__ = ["TASK_KEY_BYTES", "TaskSizer", "key_bytes"]
+__all__ = ["TASK_KEY_BYTES", "TASK_TARGET_S", "TaskSizer", "key_bytes"]
 
 # Small batches travel several to a task, so that the fixed cost of a task's round trip
-# (~0.1-0.2 ms of the caller's CPU) is shared: as many consecutive batches of one epoch as the
-# workers load in about _TASK_TARGET_S, at most _MAX_BATCHES_PER_TASK and TASK_BYTES (what the
-# slots are sized for), with
-# keys a worker can read whole (_mppool.ATOMIC_TASK_BYTES); an epoch's first task carries one
-# batch. Longer target: less overhead per batch; shorter: less in flight. The measurements
-# behind these numbers: docs/design.md, "Several small batches to a task".
-_TASK_TARGET_S = 0.02
+# (~0.1-0.2 ms of the caller's CPU on a local pool) is shared: as many consecutive batches of
+# one epoch as the workers load in about the strategy's target (TASK_TARGET_S for a local
+# process pool; see `_backends`, `_ray`), at most _MAX_BATCHES_PER_TASK and TASK_BYTES (what
+# the slots are sized for), with keys a worker can read whole (_mppool.ATOMIC_TASK_BYTES); an
+# epoch's first task carries one batch. Longer target: less overhead per batch; shorter: less
+# in flight. The measurements behind these numbers: docs/design.md, "Several small batches to
+# a task".
+TASK_TARGET_S = 0.02
 _MAX_BATCHES_PER_TASK = 32
 # The sample keys a task message may carry (room left for the rest of the message), and
 # what a key that is not part of an int64 array is taken to need.
@@ -37,15 +38,16 @@ def key_bytes(work: Any) -> int:
 
 class TaskSizer:
     """Running estimates of a batch's worker time and bytes, and the task sizes they give:
-    `per_task`, how many batches the next task carries (see _TASK_TARGET_S), and
-    `most_per_task`, the most a task may carry by their size alone (plain attributes, kept
-    by `estimate`: the engine reads them for every task)."""
+    `per_task`, how many batches the next task carries for the strategy's target (`aim`), and
+    `most_per_task`, the most a task may carry by their size alone (plain attributes, kept by
+    `estimate` and `aim`: the engine reads them for every task)."""
 
     def __init__(self) -> None:
         self.batch_cost_s = 0.0  # 0: unknown
         self.batch_bytes = 0.0
-        self.per_task = 1
         self.most_per_task = _MAX_BATCHES_PER_TASK
+        self.target_s = 0.0  # the running strategy's `task_target_s` (0: one batch a task)
+        self.per_task = 1
         self._epoch: int | None = None  # the epoch of the latest task taken
 
     def take(self, first: Job, next_job: Callable[[], Job | None], limit: int) -> tuple[list[Job], Job | None]:
@@ -73,5 +75,11 @@ class TaskSizer:
         self.batch_bytes += (size - self.batch_bytes) * (_ESTIMATE_WEIGHT if self.batch_bytes else 1.0)
         if self.batch_bytes > 0.0:
             self.most_per_task = max(1, min(_MAX_BATCHES_PER_TASK, int(TASK_BYTES / self.batch_bytes)))
-        if self.batch_cost_s > 0.0:
-            self.per_task = max(1, min(int(_TASK_TARGET_S / self.batch_cost_s), self.most_per_task))
+        self.aim(self.target_s)
+
+    def aim(self, target_s: float) -> None:
+        """Size the next tasks for a strategy whose tasks aim at `target_s` seconds of worker
+        time (see `_backends.Backend.task_target_s`)."""
+        self.target_s = target_s
+        cost = self.batch_cost_s
+        self.per_task = 1 if not target_s or cost <= 0.0 else max(1, min(int(target_s / cost), self.most_per_task))

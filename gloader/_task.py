@@ -7,11 +7,11 @@ import time
 from typing import Any, Callable
 
 from ._caller_slots import SlotPool
-from ._protocol import Job, Loaded, decode_answer, decode_answers, decode_keys
+from ._protocol import BatchTimeoutError, Job, Loaded, decode_answer, decode_answers, decode_keys
 from ._segment import Slot
 from ._waits import as_ctrl_c, ctrl_c_as_itself
 
-__all__ = ["Task", "TaskWindow", "describe_keys"]
+__all__ = ["Task", "TaskWindow", "describe_keys", "timeout_error"]
 
 # How long one wait lasts, on a task whose pool does not ring when a worker exits or another
 # task finishes (thread workers, in-process, Ray), before the engine looks at the deadline
@@ -83,6 +83,18 @@ class Task:
         """The answer of the next batch to collect is in (see `receive`)."""
         return self.taken in self.answers
 
+    def overdue(self) -> tuple[Job, float]:
+        """At the deadline of the caller's wait: the batch that is late, and its time so far. It is
+        the next one to collect, waited for since `waited`; for a task whose batches come back
+        together (Ray's, see `_ray`), a later one its worker is loading now, by its own time."""
+        assert self.waited is not None
+        job, elapsed = self.next_job, time.monotonic() - self.waited[1]
+        loading = getattr(self.result, "loading", None)
+        found = loading() if loading is not None else None
+        if found is not None and found[0] > self.taken:
+            job, elapsed = self.jobs[found[0]], found[1]
+        return job, elapsed
+
     def ready(self, slots: SlotPool | None) -> bool:
         """Whether the answer of the next batch to collect is in, taking in what arrived."""
         if self.taken not in self.answers:
@@ -148,6 +160,14 @@ class Task:
             raise RuntimeError(f"internal error: the task of batches {self.jobs[0].number}-{self.jobs[-1].number} "
                                f"ended without an answer for batch {self.next_job.number}")
         return self.has_next
+
+
+def timeout_error(job: Job, elapsed: float, timeout_s: float) -> BatchTimeoutError:
+    """The error of a batch over the loader's timeout."""
+    return BatchTimeoutError(f"DataLoader timed out after {timeout_s:g} seconds: batch {job.number} of epoch "
+                             f"{job.epoch}{describe_keys(job)} took more than {elapsed:.1f} s, the loader's "
+                             f"timeout={timeout_s:g}; raise timeout= if batches are legitimately slow, or look for a "
+                             "hang in the dataset")
 
 
 class TaskWindow(collections.deque[Task]):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 __all__ = ["Leaf", "Opaque", "arrays_to_tensors", "as_torch_dtype", "iter_leaves", "map_structure", "map_tensors",
-           "materialize", "numeric_tensor", "plan_from_value"]
+           "materialize", "numeric_tensor", "plan_from_value", "tensor_bytes"]
 
 _NUMPY_TO_TORCH: dict[np.dtype[Any], torch.dtype] = {}
 
@@ -133,6 +133,20 @@ def map_structure(fn: Callable[[Any], Any], batch: Any) -> Any:
     if isinstance(batch, Mapping):
         return {key: map_structure(fn, item) for key, item in batch.items()}
     return fn(batch)
+
+
+def tensor_bytes(batch: Any) -> int:
+    """The bytes of the tensors nested in a batch."""
+    total = 0
+
+    def add(leaf: Any) -> Any:
+        nonlocal total
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.nbytes
+        return leaf
+
+    map_structure(add, batch)
+    return total
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:

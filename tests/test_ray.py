@@ -16,6 +16,7 @@ import torch
 import gloader
 from gloader import BatchTimeoutError, DataLoader, RayPool
 from gloader.sampler import DistributedSampler
+from tests import _data
 from tests.conftest import RAY_WORKERS_NOT_NICED, dev_shm_names
 
 ray = pytest.importorskip("ray")
@@ -198,6 +199,53 @@ def test_a_batch_over_its_timeout_raises_and_its_actors_end() -> None:
             next(iterator)
         assert time.monotonic() - started < 45
         assert all(_ended(actor) for actor in actors)
+
+
+def test_cheap_batches_travel_several_to_an_actor_call_and_stay_bit_identical() -> None:
+    kwargs = dict(batch_size=2, shuffle=True, seed=5)
+    dataset = np.arange(400, dtype=np.float32)
+    expected = _reference(dataset, epochs=3, **kwargs)
+    with DataLoader(dataset, pool=_pool(2), **kwargs) as loader:
+        got = [list(loader)]
+        assert loader._engine.batches_per_task() > 1  # batches of microseconds: an actor call costs more
+        sent = []
+        submit = loader._engine.workers.backend.submit
+        loader._engine.workers.backend.submit = lambda args, on_ready: sent.append(len(args[2])) or submit(args, on_ready)
+        got += [list(loader) for _ in range(2)]
+    assert max(sent) > 1 and sum(sent) == 400
+    assert all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(got, expected))
+
+
+def test_a_hang_inside_a_task_of_several_batches_times_out_naming_that_batch(tmp_path: Any) -> None:
+    flag = tmp_path / "hang"
+    # Sample 301 (batch 150 of epoch 1) lies beyond what the loader dispatches of epoch 1 while
+    # epoch 0 ends, so it is loaded after the flag is set, in a task of several batches.
+    dataset = _data.SleepsWhenFlagged(str(flag), slow=301, seconds=60.0, length=400)
+    with DataLoader(dataset, batch_size=2, pool=_pool(2), timeout=10) as loader:
+        list(loader)
+        assert loader._engine.batches_per_task() > 1
+        flag.touch()
+        served = []
+        started = time.monotonic()
+        with pytest.raises(BatchTimeoutError, match=r"batch 150 of epoch 1 \(sample indices \[300, 301\]\)"):
+            for batch in loader:
+                served.append(batch)
+        assert time.monotonic() - started < 45
+    assert len(served) <= 150 and torch.cat(served).flatten().tolist() == list(range(2 * len(served)))
+
+
+def test_the_timeout_stays_per_batch_when_a_task_carries_several(tmp_path: Any) -> None:
+    """Tasks sized on fast samples carry many batches; each sample then takes 0.3 s, so a whole
+    task takes seconds, but no batch comes near timeout=2.5: none may time out."""
+    flag = tmp_path / "slow"
+    dataset = _data.SlowsDownWhenFlagged(str(flag), start=300, seconds=0.3, length=400)
+    with DataLoader(dataset, batch_size=1, pool=_pool(2), timeout=2.5) as loader:
+        list(loader)
+        assert loader._engine.batches_per_task() >= 16
+        flag.touch()
+        iterator = iter(loader)
+        got = [next(iterator) for _ in range(320)]  # past sample 300 (not dispatched before the flag), then slow
+    assert torch.cat(got).flatten().tolist() == list(range(320))
 
 
 class Slow:
