@@ -248,6 +248,30 @@ def test_the_timeout_stays_per_batch_when_a_task_carries_several(tmp_path: Any) 
     assert torch.cat(got).flatten().tolist() == list(range(320))
 
 
+class OpensSqlite:
+    """A dataset that opens an sqlite connection when unpickled in its worker (sqlite refuses a
+    connection used in another thread than the one that made it)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import sqlite3
+
+        self.db = sqlite3.connect(":memory:")
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.array(self.db.execute("select ?", (index,)).fetchone())
+
+
+def test_a_dataset_with_thread_bound_handles_makes_and_uses_them_in_one_thread() -> None:
+    with DataLoader(OpensSqlite(), batch_size=3, pool=_pool(2), timeout=60) as loader:
+        assert torch.cat(list(loader)).flatten().tolist() == list(range(12))
+
+
 class Slow:
     def __len__(self) -> int:
         return 40
