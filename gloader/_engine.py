@@ -189,7 +189,7 @@ class Engine:
             _, _, size, _, _ = batch  # a Handle
             self._sizer.estimate(message, size)
             batch = slots.rebuild(slot, batch)
-        elif backend is not None and backend.task_target_s:  # whole batches that a task may group (Ray): sized by their tensors
+        elif backend is not None and backend.task_target_s:  # whole batches a task may group (Ray)
             self._sizer.estimate(message, tensor_bytes(batch))
         arrived = arrival or message.finished  # in-process loading: no trip back
         timings = {"dispatch_s": max(0.0, message.started - task.submitted), "worker_fetch_s": message.fetch_s,
