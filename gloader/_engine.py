@@ -261,7 +261,7 @@ class Engine:
                 return False
             if time.monotonic() > deadline:
                 job, elapsed = task.overdue()
-                if elapsed < self._config.timeout_s:  # a later batch of a task whose batches come back together
+                if elapsed < self._config.timeout_s:  # not late after all (a task whose batches come together)
                     deadline = time.monotonic() + self._config.timeout_s - elapsed
                     continue
                 raise timeout_error(job, elapsed, self._config.timeout_s)

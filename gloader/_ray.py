@@ -88,7 +88,9 @@ class RayWorker:
         self._worker = (worker_id, num_workers)
         self._state = WorkerState(worker_id, num_workers, _ArrayWriter(), _LocalLink(), _seed_globals,
                                   crosses_process=True)
-        self._loading: tuple[int, int, float] | None = None  # (epoch, batch number, since when) being loaded
+        # The batch being loaded: (epoch, its number, the task's answers so far), set as one
+        # value, so that a probe reads the answers of exactly the batches before it.
+        self._loading: tuple[int, int, list[Any]] | None = None
 
     def ready(self) -> int:
         """The actor's pid, once it is constructed."""
@@ -101,18 +103,19 @@ class RayWorker:
             _registry.register_loader(self._loader_id, payload, *self._worker, True)
         registration = _registry.lookup(self._loader_id)  # registered above, which never fails
         assert registration is not None
-        answers = []
+        answers: list[Any] = []
         for number, seed, work in batches:
-            self._loading = (epoch, number, time.monotonic())
+            self._loading = (epoch, number, answers)
             answers.append(execute(self._state, registration, self._loader_id, epoch, number, seed, work, None))
         self._loading = None
         return answers
 
-    def loading(self) -> tuple[int, int, float] | None:
-        """(epoch, batch number, seconds so far) of the batch being loaded; None between tasks.
-        Called in the probes' concurrency group, while a task runs."""
+    def loading(self) -> tuple[int, int, list[Any]] | None:
+        """(epoch, batch number) of the batch being loaded, with the answers of its task's
+        batches before it; None between tasks. Called in the probes' concurrency group, while a
+        task runs."""
         now = self._loading
-        return None if now is None else (now[0], now[1], time.monotonic() - now[2])
+        return None if now is None else (now[0], now[1], list(now[2]))
 
 
 class RayPool:
@@ -212,10 +215,11 @@ class _RayResult:
             if done:
                 self._take()
 
-    def loading(self) -> tuple[int, float] | None:
-        """(position in the task, seconds so far) of the batch its actor is loading, when it is
-        one of this task's: the answers of a task's batches come back together, so the caller
-        asks which one is late (see `Task.overdue`); None when the actor does not answer in time."""
+    def loading(self) -> tuple[int, list[Any]] | None:
+        """The position in the task of the batch its actor is loading, when it is one of this
+        task's, with the answers of the batches before it: a task's answers come back together,
+        so at a deadline the caller takes in those finished (see `Task.overdue`); None when the
+        actor is not on this task or does not answer in time."""
         ray = self._backend.ray
         try:
             found = ray.get(self.actor.loading.options(concurrency_group=_PROBE_GROUP).remote(), timeout=_PROBE_S)
@@ -225,7 +229,7 @@ class _RayResult:
             return None
         for position, (number, _, _) in enumerate(self._batches):
             if number == found[1]:
-                return position, found[2]
+                return position, [_rebuilt(answer) for answer in found[2]]
         return None
 
     def get(self, timeout_s: float) -> list[Any]:

@@ -84,15 +84,20 @@ class Task:
         return self.taken in self.answers
 
     def overdue(self) -> tuple[Job, float]:
-        """At the deadline of the caller's wait: the batch that is late, and its time so far. It is
-        the next one to collect, waited for since `waited`; for a task whose batches come back
-        together (Ray's, see `_ray`), a later one its worker is loading now, by its own time."""
+        """At the deadline of the caller's wait: the batch that is late, and its time so far: the
+        next one to collect, waited for since `waited`. A task whose batches come back together
+        (Ray's, see `_ray`) may be loading a later one: the batches before it are taken in as
+        they are, and the next one is not late (0.0): its wait begins anew, as for a task that
+        delivers each batch when written."""
         assert self.waited is not None
         job, elapsed = self.next_job, time.monotonic() - self.waited[1]
         loading = getattr(self.result, "loading", None)
         found = loading() if loading is not None else None
         if found is not None and found[0] > self.taken:
-            job, elapsed = self.jobs[found[0]], found[1]
+            now = time.monotonic()
+            for position in range(self.taken, found[0]):
+                self._add(position, found[1][position], now)
+            return job, 0.0
         return job, elapsed
 
     def ready(self, slots: SlotPool | None) -> bool:
@@ -125,7 +130,8 @@ class Task:
             # process workers: (position, answer) of those not published (b"": none); threads, in-process: all
             for position, answer in (decode_answers(value) if value else ()) if isinstance(value, bytes) \
                     else enumerate(value):
-                self._add(position, answer, self.arrived[0])
+                if position >= self.taken:  # (Ray: those before were taken in early, see `overdue`)
+                    self._add(position, answer, self.arrived[0])
 
     def _add(self, position: int, answer: Any, when: float) -> None:
         self.answers[position] = answer
