@@ -65,15 +65,16 @@ _AWAY_RATIO = 10.0
 _AWAY_WEIGHT = 0.1
 # The window between epochs (the next epoch's first tasks, dispatched before the caller asks),
 # in times the count's: a caller is often away there (a validation pass, a checkpoint), the
-# workers fill it meanwhile, and the epoch starts from that many batches ready. W8 with
-# 20-batch epochs and a 3 s validation pass on 2 CPUs: 2 workers with a window of 4 made 0.76x
-# the samples/s of 4 workers with 8, the same CPUs making the batches. Larger: more batches
-# ready after a pause, more shared memory held then (at most the window at the most workers,
-# which the slots are sized for). Sizing it from the pause instead (what the workers make while
-# the caller is away, up to the same cap) changed nothing end to end on W8 with validation
-# passes (0.926x against 0.942x the best fixed count, 5 rounds each): on CPUs already full, the
-# batches made ahead are taken from the validation loader's share.
-_BETWEEN_EPOCHS = 2.0
+# workers fill it meanwhile, and the epoch starts from that many batches ready. W8 (20-batch
+# epochs, a 14-batch validation pass on another loader's one worker after each) on 2 CPUs,
+# 'auto' at 2 workers, end to end: 4 made 1.11x (0.94-1.27) the samples/s of 2, 12 rounds in
+# turns, and W3 1.05x (0.91-1.26) in 5 (the passes slower, the epochs faster: the validation
+# loader's one worker leaves a CPU that the wider window fills); 8 made 1.04x what 4 did over
+# 5 rounds, within the noise, holding twice the batches. (2 workers with a window of 4 had made
+# 0.76x the samples/s of 4 workers with 8.) Larger: more batches ready after a pause, more
+# shared memory held then (at most the window at the most workers, which the slots are sized
+# for).
+_BETWEEN_EPOCHS = 4.0
 # A grow must raise the batches per second by this share of its relative size (2 -> 4
 # workers: by 0.3 x 100%) or it is taken back. Higher: fewer useless workers kept; lower:
 # fewer grows taken back on a noisy host.

@@ -110,9 +110,11 @@ def test_time_away_from_the_loader_is_not_measured_as_idle_workers() -> None:
 
 def test_between_epochs_the_window_is_wider_up_to_the_window_at_the_most_workers() -> None:
     t = tuner(start=2, most=3)
-    assert (t.window, t.window_between_epochs) == (4, 6)  # twice 4, held to the window at the 3 workers most
+    assert (t.window, t.window_between_epochs) == (4, 6)  # 4 times 4, held to the window at the 3 workers most
     t.count = 1
-    assert (t.window, t.window_between_epochs) == (2, 4)
+    assert (t.window, t.window_between_epochs) == (2, 6)
+    t.most = 8
+    assert (t.window, t.window_between_epochs) == (2, 8)  # 4 times 2
 
 
 def test_every_validation_pass_is_time_away_however_short_the_epochs_between() -> None:
@@ -138,17 +140,17 @@ def test_the_next_epoch_opens_with_a_wider_window_while_the_caller_is_away(cpu_b
     window of the next epoch meanwhile, and it narrows again once the caller takes its batches."""
     monkeypatch.setattr(_tuning, "_DECIDE_S", 1e9)  # the count stays as it starts
     width = 75_000  # 300 KB samples: a batch of 4 is over a task's bytes, so a task is one batch
-    data = np.arange(64 * width, dtype=np.float32).reshape(64, width)
+    data = np.arange(128 * width, dtype=np.float32).reshape(128, width)
     with DataLoader(data, batch_size=4, shuffle=True, num_workers="auto", cpu_budget=cpu_budget, seed=0) as loader:
         engine, tuner = loader._engine, loader._engine.tuner
-        assert sorted(int(row) for batch in loader for row in batch[:, 0] // width) == list(range(64))
-        assert tuner.count == cpu_budget and tuner.window_between_epochs == 2 * tuner.window == 4 * cpu_budget
+        assert sorted(int(row) for batch in loader for row in batch[:, 0] // width) == list(range(128))
+        assert tuner.count == cpu_budget and tuner.window_between_epochs == 4 * tuner.window == 8 * cpu_budget
         assert len(engine.tasks) == tuner.window_between_epochs  # the next epoch's first batches
         it = iter(loader)
         next(it)
         assert engine.window == tuner.window  # the caller is in the epoch: nothing more is dispatched
         assert len(engine.tasks) == tuner.window_between_epochs - 1
-        assert len([batch for batch in it]) == 15
+        assert len([batch for batch in it]) == 31
 
 
 def test_a_steady_slow_training_step_is_not_taken_for_time_away() -> None:
