@@ -1,7 +1,9 @@
 """How soon a worker's death reaches the caller waiting for its batch, and how often that
 caller wakes while nothing happens: `python -m gloader.bench.supervision`.
 
-One worker is loading a batch that never ends (its sample sleeps); the caller waits for it.
+One worker is loading a batch that never ends (its sample sleeps); the caller waits for it,
+asking only once the worker is inside that sample (a batch the caller had waited for may
+still send it a message a moment later, which is not a wake-up while nothing happens).
 After a quiet half second the worker is killed with SIGKILL, and the time from the kill to
 the exception in the caller is taken, for gloader's own pool, a shared `WorkerPool` and
 torch's DataLoader, in the same run (median of `--rounds`). The caller's looks (its thread's
@@ -15,6 +17,7 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -30,13 +33,28 @@ _STUCK_FROM = 8  # samples from this index on never finish
 
 
 class _StuckAfter(Dataset[np.ndarray]):
+    """Samples from _STUCK_FROM on never finish; the first of them to start creates `marker`."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
     def __len__(self) -> int:
         return 1000
 
     def __getitem__(self, index: int) -> np.ndarray:
         if index >= _STUCK_FROM:
+            open(self.marker, "a").close()
             time.sleep(600)
         return np.zeros(4, np.float32)
+
+
+def _until_stuck(dataset: _StuckAfter, deadline_s: float = 60.0) -> None:
+    """Return once a worker is inside a sample that never finishes."""
+    give_up = time.monotonic() + deadline_s
+    while not os.path.exists(dataset.marker):
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"no worker reached sample {_STUCK_FROM} within {deadline_s:g} s")
+        threading.Event().wait(0.01)
 
 
 def _time_death(take: Callable[[], Any], pids: list[int], error: type[BaseException],
@@ -71,26 +89,34 @@ def _gloader(shared: bool, looks: list[int]) -> tuple[float, int]:
     import gloader
 
     pool = gloader.WorkerPool(1) if shared else None
-    try:
-        with gloader.DataLoader[Any](_StuckAfter(), batch_size=4, num_workers=1, pool=pool, timeout=60) as loader:
-            batches = iter(loader)
-            next(batches), next(batches)  # the third batch is stuck in the worker
-            return _time_death(lambda: next(batches), loader.worker_pids(), gloader.WorkerExitedError, looks)
-    finally:
-        if pool is not None:
-            pool.close()
+    with tempfile.TemporaryDirectory(prefix="gloader-stuck-") as folder:
+        dataset = _StuckAfter(os.path.join(folder, "stuck"))
+        try:
+            with gloader.DataLoader[Any](dataset, batch_size=4, num_workers=1, pool=pool, timeout=60) as loader:
+                batches = iter(loader)
+                next(batches)
+                _until_stuck(dataset)  # in the third batch, the second loaded before it
+                next(batches)
+                return _time_death(lambda: next(batches), loader.worker_pids(), gloader.WorkerExitedError, looks)
+        finally:
+            if pool is not None:
+                pool.close()
 
 
 def _torch() -> float:
     import torch.utils.data
 
-    loader: Any = torch.utils.data.DataLoader(_StuckAfter(), batch_size=4, num_workers=1)
-    batches: Any = iter(loader)
-    next(batches), next(batches)
-    try:
-        return _time_death(lambda: next(batches), [w.pid for w in batches._workers], RuntimeError, [0])[0]
-    finally:
-        batches._shutdown_workers()
+    with tempfile.TemporaryDirectory(prefix="gloader-stuck-") as folder:
+        dataset = _StuckAfter(os.path.join(folder, "stuck"))
+        loader: Any = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=1)
+        batches: Any = iter(loader)
+        next(batches)
+        _until_stuck(dataset)
+        next(batches)
+        try:
+            return _time_death(lambda: next(batches), [w.pid for w in batches._workers], RuntimeError, [0])[0]
+        finally:
+            batches._shutdown_workers()
 
 
 def measure(rounds: int) -> dict[str, Any]:
