@@ -442,6 +442,11 @@ class SlotPool:
         with self._lock:
             return sum((resident_bytes(slot.segment, slot.fd) for slot in self._slots.values()))
 
+    def task_bytes(self) -> int:
+        """What a task's batches take, from the recent ones (about nothing before any came back)."""
+        with self._lock:
+            return self._sizes.room()
+
     def capacity_bytes(self) -> int:
         """Bytes of shared memory this loader's slots have mapped, written or not."""
         with self._lock:

@@ -109,7 +109,7 @@ class Engine:
         if self.tuner is None:
             return self._config.prefetch
         if self.tasks and self._collected_epoch is not None and self.tasks[0].epoch != self._collected_epoch:
-            return self.tuner.window_between_epochs
+            return self.tuner.window_between_epochs(slots.task_bytes() if (slots := self.workers.slots) is not None else 0)
         return self.tuner.window
 
     def batches_per_task(self) -> int:

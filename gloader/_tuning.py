@@ -75,6 +75,12 @@ _AWAY_WEIGHT = 0.1
 # shared memory held then (at most the window at the most workers, which the slots are sized
 # for).
 _BETWEEN_EPOCHS = 4.0
+# The share of the memory budget that the tasks of the window between epochs beyond the count's
+# window may hold (their batches wait in shared memory until the caller comes back): 4 times
+# the window of 500 MB batches at 2 workers would be 8 GB. W8's 38.5 MB batches at 2 workers:
+# 12 tasks beyond the window need 0.46 GB, within an eighth of this host's default budget
+# (half of 23 GB available). Smaller: fewer batches ready after a pause where batches are large.
+_AHEAD_MEMORY = 0.125
 # A grow must raise the batches per second by this share of its relative size (2 -> 4
 # workers: by 0.3 x 100%) or it is taken back. Higher: fewer useless workers kept; lower:
 # fewer grows taken back on a noisy host.
@@ -261,12 +267,16 @@ class Tuner:
         """Tasks in flight for the current count."""
         return max(1, math.ceil(self._per_worker_window * self.count))
 
-    @property
-    def window_between_epochs(self) -> int:
+    def window_between_epochs(self, task_bytes: int = 0) -> int:
         """Tasks in flight while the caller has not started the epoch they belong to:
-        _BETWEEN_EPOCHS times `window`, at most the window at the most workers."""
-        return max(self.window, min(math.ceil(self._per_worker_window * _BETWEEN_EPOCHS * self.count),
-                                    math.ceil(self._per_worker_window * self.most)))
+        _BETWEEN_EPOCHS times `window`, at most the window at the most workers, and those beyond
+        `window` holding at most _AHEAD_MEMORY of the memory budget (`task_bytes`: what one
+        task's batches take; 0: not known yet)."""
+        wider = min(math.ceil(self._per_worker_window * _BETWEEN_EPOCHS * self.count),
+                    math.ceil(self._per_worker_window * self.most))
+        if self.memory_budget is not None and task_bytes > 0:
+            wider = min(wider, self.window + math.floor(self.memory_budget * _AHEAD_MEMORY / task_bytes))
+        return max(self.window, wider)
 
     def _open_window(self, pids: list[int] | None) -> None:
         self._since = self._clock()

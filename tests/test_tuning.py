@@ -110,11 +110,35 @@ def test_time_away_from_the_loader_is_not_measured_as_idle_workers() -> None:
 
 def test_between_epochs_the_window_is_wider_up_to_the_window_at_the_most_workers() -> None:
     t = tuner(start=2, most=3)
-    assert (t.window, t.window_between_epochs) == (4, 6)  # 4 times 4, held to the window at the 3 workers most
+    assert (t.window, t.window_between_epochs()) == (4, 6)  # 4 times 4, held to the window at the 3 workers most
     t.count = 1
-    assert (t.window, t.window_between_epochs) == (2, 6)
+    assert (t.window, t.window_between_epochs()) == (2, 6)
     t.most = 8
-    assert (t.window, t.window_between_epochs) == (2, 8)  # 4 times 2
+    assert (t.window, t.window_between_epochs()) == (2, 8)  # 4 times 2
+
+
+def test_between_epochs_the_batches_beyond_the_window_hold_at_most_an_eighth_of_the_memory_budget() -> None:
+    t = tuner(start=2, most=16, memory_budget=800 * MiB)
+    assert t.window_between_epochs() == t.window_between_epochs(MiB) == 16  # 4 times 4: 12 tasks of 1 MiB fit
+    assert t.window_between_epochs(100 * MiB) == 4 + 1  # one task of 100 MiB beyond the window: 100 of 800 MiB
+    assert t.window_between_epochs(500 * MiB) == 4  # none: never narrower than the window
+    assert tuner(start=2, most=16).window_between_epochs(500 * MiB) == 16  # no memory budget known: no cap
+
+
+def test_a_loader_of_large_batches_makes_fewer_ahead_between_epochs(monkeypatch) -> None:
+    monkeypatch.setattr(_tuning, "_DECIDE_S", 1e9)  # the count stays as it starts
+    width = 75_000  # 300 KB samples: a task is one batch of 1.2 MB
+    data = np.arange(128 * width, dtype=np.float32).reshape(128, width)
+    with DataLoader(data, batch_size=4, shuffle=True, num_workers="auto", cpu_budget=2, memory_budget=24 * MiB,
+                    seed=0) as loader:
+        engine, tuner = loader._engine, loader._engine.tuner
+        assert len([batch for batch in loader]) == 32
+        task_bytes = engine.workers.slots.task_bytes()
+        assert 1_200_000 <= task_bytes < 2 * MiB
+        beyond = int(24 * MiB * _tuning._AHEAD_MEMORY // task_bytes)  # 3 MiB: 2 tasks
+        assert 1 <= beyond < 3 * tuner.window
+        assert len(engine.tasks) == tuner.window + beyond  # the next epoch's first batches
+        assert [len(batch) for batch in loader] == [4] * 32
 
 
 def test_every_validation_pass_is_time_away_however_short_the_epochs_between() -> None:
@@ -144,12 +168,12 @@ def test_the_next_epoch_opens_with_a_wider_window_while_the_caller_is_away(cpu_b
     with DataLoader(data, batch_size=4, shuffle=True, num_workers="auto", cpu_budget=cpu_budget, seed=0) as loader:
         engine, tuner = loader._engine, loader._engine.tuner
         assert sorted(int(row) for batch in loader for row in batch[:, 0] // width) == list(range(128))
-        assert tuner.count == cpu_budget and tuner.window_between_epochs == 4 * tuner.window == 8 * cpu_budget
-        assert len(engine.tasks) == tuner.window_between_epochs  # the next epoch's first batches
+        assert tuner.count == cpu_budget and tuner.window_between_epochs(0) == 4 * tuner.window == 8 * cpu_budget
+        assert len(engine.tasks) == tuner.window_between_epochs(0)  # the next epoch's first batches
         it = iter(loader)
         next(it)
         assert engine.window == tuner.window  # the caller is in the epoch: nothing more is dispatched
-        assert len(engine.tasks) == tuner.window_between_epochs - 1
+        assert len(engine.tasks) == tuner.window_between_epochs(0) - 1
         assert len([batch for batch in it]) == 31
 
 
