@@ -381,3 +381,19 @@ def test_ctrl_c_while_the_caller_waits_is_a_keyboard_interrupt_and_close_ends_th
             interrupt.join()
         assert time.monotonic() - started < 10
     assert all(_ended(actor) for actor in actors)
+
+
+def test_the_receive_benchmark_prints_a_row_per_worker_count_and_names_bad_counts(capsys: Any) -> None:
+    from gloader.bench import receive
+
+    receive.main(["--workers", "1,2", "--rounds", "1", "--quick"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 2"]
+    for row in rows:
+        ray_gb, ray_ms, local_gb, local_ms = (float(cell.split()[0]) for cell in row.strip(" |").split(" | ")[1:])
+        assert min(ray_gb, ray_ms, local_gb, local_ms) > 0
+    assert ray.is_initialized()  # the module's instance, not one of its own, and left running
+    for bad in ("0", "two", "2,,4"):
+        with pytest.raises(SystemExit):
+            receive.main(["--workers", bad])
+        assert f"--workers takes worker counts >= 1 separated by commas, got {bad!r}" in capsys.readouterr().err

@@ -11,6 +11,8 @@ Then the receive bound: one caller taking W2 images in batches of 16 (2.4 MB) fr
 `RayPool(2)`, in GB/s and the caller's CPU time per batch, beside local gloader: the rate at
 which one trainer can take batches from remote CPUs, whatever their number. The scale-out
 model (`scale_out`) follows from these figures. Skipped when Ray is not installed.
+
+`python -m gloader.bench.receive` measures the receive bound alone, for several counts of actors.
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ import gloader
 from .datasets import ImageDataset
 from .figures import summary, three_digits
 
-__all__ = ["W3_SAMPLES", "has_ray", "measure_ray", "ray_summary", "report_ray", "scale_out"]
+__all__ = ["W3_SAMPLES", "WORKERS", "has_ray", "measure_ray", "measure_receive", "ray_summary", "report_ray", "scale_out",
+           "start_ray"]
 
-_WORKERS = 2
+WORKERS = 2
 _OBJECT_STORE_BYTES = 1 << 30
 # W2 batches through Ray's object store: 16 images of 224x224x3 (2.4 MB), and an epoch's batches.
 _RECEIVE_BATCH = 16
@@ -70,15 +73,15 @@ class RayDataLoop:
         return iter(self._data.iter_torch_batches(batch_size=self._batch_size))
 
 
-def _makers(dataset: Any, batch_size: int) -> dict[str, Callable[[], Any]]:
+def _makers(dataset: Any, batch_size: int, workers: int = WORKERS) -> dict[str, Callable[[], Any]]:
     return {
         "gloader on Ray": lambda: gloader.DataLoader(dataset, batch_size=batch_size, shuffle=True, seed=0,
-                                                     pool=gloader.RayPool(_WORKERS)),
+                                                     pool=gloader.RayPool(workers)),
         "Ray Data": lambda: RayDataLoop(dataset, batch_size),
         "torch": lambda: torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True,
-                                                     num_workers=_WORKERS, persistent_workers=True),
+                                                     num_workers=WORKERS, persistent_workers=True),
         "gloader local": lambda: gloader.DataLoader(dataset, batch_size=batch_size, shuffle=True, seed=0,
-                                                    num_workers=_WORKERS),
+                                                    num_workers=workers),
     }
 
 
@@ -121,11 +124,12 @@ def _measure(makers: dict[str, Callable[[], Any]], batch_size: int, rounds: int,
     return out
 
 
-def _receive(rounds: int, quick: bool, step: Callable[[str], None]) -> dict[str, Any]:
-    """W2 batches of 2.4 MB from RayPool(2) and from local gloader: GB/s and caller ms per batch."""
+def measure_receive(rounds: int, quick: bool, step: Callable[[str], None], workers: int = WORKERS) -> dict[str, Any]:
+    """W2 batches of 2.4 MB from RayPool(workers) and from local gloader with as many workers:
+    GB/s and caller ms per batch."""
     dataset = ImageDataset(_RECEIVE_BATCH * (_RECEIVE_BATCHES // 10 if quick else _RECEIVE_BATCHES))
     nbytes = _RECEIVE_BATCH * 224 * 224 * 3
-    makers = {name: maker for name, maker in _makers(dataset, _RECEIVE_BATCH).items()
+    makers = {name: maker for name, maker in _makers(dataset, _RECEIVE_BATCH, workers).items()
               if name in ("gloader on Ray", "gloader local")}
     got = _measure(makers, _RECEIVE_BATCH, rounds, step, "W2 receive")
     return {name: {"gb_per_s": [rate / _RECEIVE_BATCH * nbytes / 1e9 for rate in res["samples_per_s"]],
@@ -140,11 +144,7 @@ def measure_ray(datasets: dict[str, tuple[Any, int]], quick: bool, rounds: int,
         return {"skipped": "Ray is not installed (pip install 'gloader[ray]')"}
     import ray
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+    cpus, started_here = start_ray()
     try:
         from ray.data import DataContext
 
@@ -152,11 +152,24 @@ def measure_ray(datasets: dict[str, tuple[Any, int]], quick: bool, rounds: int,
         out: dict[str, Any] = {"cpus": cpus}
         for name, (dataset, batch_size) in datasets.items():
             out[name] = _measure(_makers(dataset, batch_size), batch_size, rounds, step, name)
-        out["receive"] = _receive(rounds, quick, step)
+        out["receive"] = measure_receive(rounds, quick, step)
         return out
     finally:
         if started_here:
             ray.shutdown()
+
+
+def start_ray() -> tuple[int, bool]:
+    """(this machine's usable CPUs, whether Ray was started here): a local instance with
+    those CPUs and a 1 GiB object store, unless Ray is initialized already."""
+    import ray
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    return cpus, started_here
 
 
 def scale_out(results: dict[str, Any], workload: str, nodes: int) -> float | None:
@@ -178,7 +191,7 @@ def report_ray(results: dict[str, Any]) -> list[str]:
         return []
     if "skipped" in res:
         return ["", f"W12 skipped: {res['skipped']}"]
-    lines = ["", f"W12 on a local Ray instance with {res['cpus']} CPUs, {_WORKERS} workers each: samples/s "
+    lines = ["", f"W12 on a local Ray instance with {res['cpus']} CPUs, {WORKERS} workers each: samples/s "
              "(over gloader on Ray in parentheses) and the caller's CPU ms per batch", "",
              "| workload | " + " | ".join(_LOADERS) + " |", "|---|" + "---|" * len(_LOADERS)]
     for name in ("W3", "W8"):
