@@ -271,11 +271,14 @@ class Tuner:
         """Tasks in flight while the caller has not started the epoch they belong to:
         _BETWEEN_EPOCHS times `window`, at most the window at the most workers, and those beyond
         `window` holding at most _AHEAD_MEMORY of the memory budget (`task_bytes`: what one
-        task's batches take; 0: not known yet)."""
+        task's batches take; 0: not known yet); a shared budget's share is split among the
+        loaders sharing it, whose batches ahead are held at once (a validation loader's while
+        the training loader's epoch runs)."""
         wider = min(math.ceil(self._per_worker_window * _BETWEEN_EPOCHS * self.count),
                     math.ceil(self._per_worker_window * self.most))
         if self.memory_budget is not None and task_bytes > 0:
-            wider = min(wider, self.window + math.floor(self.memory_budget * _AHEAD_MEMORY / task_bytes))
+            sharing = self._budgets.others(self)[2] if self.shared[1] and self._budgets is not None else 1
+            wider = min(wider, self.window + math.floor(self.memory_budget * _AHEAD_MEMORY / sharing / task_bytes))
         return max(self.window, wider)
 
     def _open_window(self, pids: list[int] | None) -> None:

@@ -125,6 +125,22 @@ def test_between_epochs_the_batches_beyond_the_window_hold_at_most_an_eighth_of_
     assert tuner(start=2, most=16).window_between_epochs(500 * MiB) == 16  # no memory budget known: no cap
 
 
+def test_loaders_sharing_the_default_memory_budget_split_its_eighth_for_the_batches_ahead() -> None:
+    budgets = _tuning.SharedBudgets()
+
+    def shared_tuner() -> _tuning.Tuner:
+        return _tuning.Tuner(2, 16, 2.0, 800 * MiB, 2.0, Clock(), shared=(True, True), budgets=budgets)
+
+    train = shared_tuner()
+    assert train.window_between_epochs(25 * MiB) == 4 + 4  # alone: 100 MiB of 800 beyond the window
+    validation = shared_tuner()
+    assert train.window_between_epochs(25 * MiB) == validation.window_between_epochs(25 * MiB) == 4 + 2
+    own = _tuning.Tuner(2, 16, 2.0, 800 * MiB, 2.0, Clock(), budgets=budgets)  # its own budget: not shared
+    assert own.window_between_epochs(25 * MiB) == 4 + 4
+    budgets.leave(validation)
+    assert train.window_between_epochs(25 * MiB) == 4 + 4
+
+
 def test_a_loader_of_large_batches_makes_fewer_ahead_between_epochs(monkeypatch) -> None:
     monkeypatch.setattr(_tuning, "_DECIDE_S", 1e9)  # the count stays as it starts
     width = 75_000  # 300 KB samples: a task is one batch of 1.2 MB
