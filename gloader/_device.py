@@ -111,8 +111,17 @@ class DevicePipeline:
         self._copying: collections.deque[tuple[Any, Any]] = collections.deque()  # (event, host batch)
 
     def to_device(self, batch: Any) -> tuple[Any, Any]:
-        """Start copying `batch`; returns (device batch, event that marks the copy's end)."""
+        """Start copying `batch`; returns (device batch, event that marks the copy's end).
+
+        Waits for the oldest copy when DEVICE_STAGE_HOLDS are under way: a caller running
+        ahead of lagging copies would otherwise hold a slot for each batch queued behind them,
+        beyond the spare slots the loader keeps for the stage, and the slot pool would make
+        (and page-lock, ~4 ms each on an H200 host) new slots for the workers meanwhile, then
+        retire them as the copies catch up. The copies limit the rate then, so the wait costs none."""
         self._forget_copied()
+        while len(self._copying) >= DEVICE_STAGE_HOLDS:
+            event, _ = self._copying.popleft()
+            event.synchronize()
         with torch.cuda.stream(self._stream):
             moved = map_tensors(lambda t: t.to(self._device, non_blocking=True), batch)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch lacks stubs here

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gloader import DataLoader
-from gloader._device import DevicePipeline
+from gloader._device import DEVICE_STAGE_HOLDS, DevicePipeline
 from gloader.bench.datasets import ImageDataset
 from tests import _data
 from tests.conftest import wait_until
@@ -158,29 +158,38 @@ def test_device_batches_come_straight_from_page_locked_slots_and_stay_right_when
         assert slots and all(torch.frombuffer(slot.segment, dtype=torch.uint8).is_pinned() for slot in slots)
 
 
+class _CopyEvent:
+    """Stands in for torch.cuda.Event: the test says when a copy has ended."""
+
+    def __init__(self, made: list[Any]) -> None:
+        self.done = False
+        self.waited = False
+        made.append(self)
+
+    def record(self, stream: object) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = self.waited = True
+
+
+def _stage_without_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[DevicePipeline, list[_CopyEvent]]:
+    """A device stage whose copies are to the meta device (a new tensor, as a copy to a GPU
+    makes), with their events in the returned list."""
+    events: list[_CopyEvent] = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _CopyEvent(events))
+    return DevicePipeline(torch.device("meta")), events
+
+
 def test_device_stage_keeps_each_host_batch_until_its_copy_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host batch may view a page-locked slot that the copy reads directly: freeing it lends
     the slot to a worker, so the stage holds it until the copy's event says it has ended."""
-    events: list[Any] = []
-
-    class Event:  # stands in for torch.cuda.Event: the test says when a copy has ended
-        def __init__(self) -> None:
-            self.done = False
-            events.append(self)
-
-        def record(self, stream: object) -> None:
-            pass
-
-        def query(self) -> bool:
-            return self.done
-
-        def synchronize(self) -> None:
-            self.done = True
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    stage = DevicePipeline(torch.device("meta"))  # .to(meta) makes a new tensor, as a copy to a GPU does
+    stage, events = _stage_without_cuda(monkeypatch)
     first, second = torch.ones(4), torch.ones(3)
     first_alive, second_alive = weakref.ref(first), weakref.ref(second)
     stage.to_device([first, {"y": torch.zeros(2)}])
@@ -192,9 +201,22 @@ def test_device_stage_keeps_each_host_batch_until_its_copy_has_ended(monkeypatch
     stage.to_device(torch.ones(1))  # notices that the first copy ended
     gc.collect()
     assert first_alive() is None and second_alive() is not None
+    assert not any(event.waited for event in events)  # two under way at most: no wait
     stage.settle()  # what close() does: waits for the rest
     gc.collect()
     assert second_alive() is None and all(event.done for event in events)
+
+
+def test_a_caller_ahead_of_the_copies_waits_for_the_oldest_rather_than_hold_more_batches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each host batch the stage holds keeps a slot from the workers: the loader's spare slots
+    count DEVICE_STAGE_HOLDS, and a stage holding more (copies lagging) would make the slot
+    pool create, page-lock and later retire slots."""
+    stage, events = _stage_without_cuda(monkeypatch)
+    for k in range(6):
+        stage.to_device(torch.ones(k + 1))
+        assert len(stage._copying) <= DEVICE_STAGE_HOLDS
+    assert [event.waited for event in events] == [True] * 4 + [False] * 2  # the oldest, in order
 
 
 class _RecordingStage:
