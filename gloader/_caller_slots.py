@@ -233,20 +233,25 @@ class SlotPool:
     Thread-safe: slots are released from whichever thread drops the last view.
 
     Args:
-        max_spare: free slots kept for reuse; a slot released beyond that is retired.
-            Larger: fewer new slots when the user holds batches in bursts; smaller: less
-            idle shared memory.
+        max_spare: free slots kept for reuse; a slot released beyond that is retired, unless
+            the pool maps no more than `working_set` slots in all. Larger: fewer new slots
+            when the user holds batches in bursts; smaller: less idle shared memory.
         max_descriptors: slots that keep the descriptor workers map them by. A slot whose
             batch the user holds beyond that many gives its descriptor up and is retired
             when released, so holding 10,000 batches needs no more descriptors than this.
         register: given each new slot's mapping (not a probe's: only its written pages are
             memory), e.g. to page-lock it for a CUDA device so batches are copied to the device
             straight from the slot. Undone just before the mapping goes.
+        working_set: slots (in flight, held and free) a loop uses, which are kept however many
+            are free: after a loop stops mid-epoch, its window's slots come back all at once
+            and its next iter() needs as many.
     """
 
-    def __init__(self, max_spare: int, max_descriptors: int, register: Register | None = None) -> None:
+    def __init__(self, max_spare: int, max_descriptors: int, register: Register | None = None,
+                 working_set: int = 0) -> None:
         self._register = register
         self._max_spare = max_spare
+        self._working_set = working_set
         self._max_descriptors = max_descriptors
         # Re-entrant: a batch freed by the garbage collector while this thread holds the lock
         # (any allocation inside it can trigger a collection) calls release() right here.
@@ -407,7 +412,8 @@ class SlotPool:
                     self._punch_if_holding()
                 return
             lent.released = []
-            if self._closed or lent.fd < 0 or lent.probe or len(self._free) >= self._max_spare \
+            surplus = len(self._free) >= self._max_spare and len(self._slots) > self._working_set
+            if self._closed or lent.fd < 0 or lent.probe or surplus \
                     or lent.capacity > _OVERSIZED * _capacity_for(self._sizes.room()):  # sized for batches long gone
                 self._retire(lent)
             else:
