@@ -38,6 +38,7 @@ def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
     rows = [line[:5] for line in done.stdout.splitlines()]
     assert "| W2 " not in rows and "| W5 " not in rows  # only what was asked for
     assert "| epoch 1 (starts workers) |" in done.stdout and "| epochs 2-5 (median) |" in done.stdout  # W4
+    assert "| an epoch stopped after 6 of 12 batches, from iter() (median of 8) |" in done.stdout
     if not torch.cuda.is_available():
         assert "W7 host-to-device: skipped (no CUDA device)" in done.stdout
     else:

@@ -29,7 +29,8 @@ Workloads:
         batch, then a sample per row), batch 256; both loaders call it once per batch.
     W3 and W8 also run num_workers='auto' against 1, 2 and 4 workers with a validation pass
         between epochs (see `gloader.bench.gaps`).
-    W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data).
+    W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data);
+        and the time of an epoch stopped halfway, from iter() (`limit_train_batches`).
     W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench.memory`.
     W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench.device`.
     W11 remote storage: JPEGs from a local HTTP server that answers after 5 ms; torch and
@@ -104,6 +105,10 @@ _PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "ceiling", "gloader
           "W3": ("in-process", "gloader nw=1", "ceiling", "gloader auto"), "W8": ("ceiling", "gloader auto")}
 _SCALING = ("W3", "W8")
 _SCALING_WORKERS = (1, 2, 4)
+# W4's stopped epochs: each stopped after this many of its 12 batches (the rest in flight are
+# dropped), this many times a round.
+_STOP_AFTER = 6
+_STOPS = 8
 # num_workers='auto' with validation passes (see gaps): at most this many rounds (a round runs
 # 4 loaders for 4 epochs and 4 passes each), and the batches of a training epoch per workload
 # (W3: about 1.5 s at 2 workers; W8: about 3 s).
@@ -395,14 +400,31 @@ def _measure_scaling(work: Workload, dataset: Any, rounds: int, progress: _Progr
                            for name in ("gloader", "torch")} for workers in _SCALING_WORKERS}
 
 
+def _stopped_epoch_s(loader: Any, stops: int, take: int) -> float:
+    """Median seconds of an epoch stopped after `take` batches, from iter() (as a loop with
+    `limit_train_batches` or a validation loop cut short): the batches in flight are dropped
+    at each stop, and the next iter() starts anew."""
+    out = []
+    for _ in range(stops):
+        start = time.perf_counter()
+        for taken, _batch in enumerate(loader, 1):
+            if taken == take:
+                break
+        out.append(time.perf_counter() - start)
+    return statistics.median(out)
+
+
 def _measure_latency(rounds: int, epochs: int, progress: _Progress) -> dict[str, Any]:
-    """W4: fresh loaders per round, so epoch 1 includes starting the workers."""
+    """W4: fresh loaders per round, so epoch 1 includes starting the workers; then, with the
+    same loaders, epochs stopped halfway."""
     small = ImageDataset(64 * 12)
     lat: dict[str, list[list[float]]] = {"gloader": [], "torch": []}
+    stopped: dict[str, list[float]] = {"gloader": [], "torch": []}
     for r in range(rounds):
         for name in (["gloader", "torch"] if r % 2 == 0 else ["torch", "gloader"]):
             loader = _gloader(small, 64) if name == "gloader" else _torch(small, 64)
             lat[name].append(_first_batch_latency(loader, epochs))
+            stopped[name].append(_stopped_epoch_s(loader, _STOPS, _STOP_AFTER) * 1e3)
             if name == "gloader":
                 loader.close()
             del loader
@@ -410,6 +432,7 @@ def _measure_latency(rounds: int, epochs: int, progress: _Progress) -> dict[str,
     return {
         "epoch1_ms": {k: [v[0] * 1e3 for v in vals] for k, vals in lat.items()},
         "later_ms": {k: [statistics.median(v[1:]) * 1e3 for v in vals] for k, vals in lat.items()},
+        "stopped_ms": stopped,
     }
 
 
@@ -449,7 +472,8 @@ def report(results: dict[str, Any]) -> str:
                          + report_ray(results))
     w4 = results["W4"]
     lines += ["", "| W4 first batch (W2 data) | gloader ms | torch ms | torch/gloader |", "|---|---|---|---|"]
-    for key, label in (("epoch1_ms", "epoch 1 (starts workers)"), ("later_ms", "epochs 2-5 (median)")):
+    for key, label in (("epoch1_ms", "epoch 1 (starts workers)"), ("later_ms", "epochs 2-5 (median)"),
+                       ("stopped_ms", f"an epoch stopped after {_STOP_AFTER} of 12 batches, from iter() (median of {_STOPS})")):
         ratio = [t / g for g, t in zip(w4[key]["gloader"], w4[key]["torch"])]
         lines.append(f"| {label} | {summary(w4[key]['gloader'])} | {summary(w4[key]['torch'])} | "
                      f"{summary(ratio)}x |")
