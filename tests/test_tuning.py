@@ -366,20 +366,23 @@ def test_state_saved_while_the_pool_resizes_resumes_the_same_batches(quick_windo
         assert torch.equal(index, want_index) and torch.equal(features, want_features)
 
 
-def _kill_one_worker_after_resizing(monkeypatch: pytest.MonkeyPatch, pick: str) -> list[int]:
+def _kill_one_worker_as_the_pool_resizes(monkeypatch: pytest.MonkeyPatch, pick: str) -> list[int]:
+    """SIGKILL one worker as the tuner asks for its first resize, just before the pool takes it.
+    Killed just after a shrink was asked, the worker could already have taken the retire task
+    and exited by itself (on a machine busy with other programs the caller was descheduled
+    between the two), and then nothing died."""
     killed: list[int] = []
     resize = ProcessCore.resize
 
-    def resize_then_kill(core: ProcessCore, count: int) -> bool:
-        pids = core.worker_pids()
-        done = resize(core, count)
-        if done and not killed:
+    def kill_then_resize(core: ProcessCore, count: int) -> bool:
+        if not killed:
+            pids = core.worker_pids()
             victim = max(pids) if pick == "newest" else min(pids)
             os.kill(victim, signal.SIGKILL)
             killed.append(victim)
-        return done
+        return resize(core, count)
 
-    monkeypatch.setattr(ProcessCore, "resize", resize_then_kill)
+    monkeypatch.setattr(ProcessCore, "resize", kill_then_resize)
     return killed
 
 
@@ -387,7 +390,7 @@ def _kill_one_worker_after_resizing(monkeypatch: pytest.MonkeyPatch, pick: str) 
 def test_a_worker_killed_while_the_pool_resizes_is_reported_and_the_next_epoch_is_whole(quick_windows,
                                                                                        counts) -> None:
     quick_windows.setattr(_tuning.Tuner, "_choose", Scripted(counts))
-    killed = _kill_one_worker_after_resizing(quick_windows, "oldest")
+    killed = _kill_one_worker_as_the_pool_resizes(quick_windows, "oldest")
     dataset = _data.SlowEverySample(0.002, length=120)
     with DataLoader(dataset, batch_size=2, seed=3) as reference:
         expected = [b.tolist() for b in reference]
