@@ -79,7 +79,8 @@ _BETWEEN_EPOCHS = 4.0
 # window may hold (their batches wait in shared memory until the caller comes back): 4 times
 # the window of 500 MB batches at 2 workers would be 8 GB. W8's 38.5 MB batches at 2 workers:
 # 12 tasks beyond the window need 0.46 GB, within an eighth of this host's default budget
-# (half of 23 GB available). Smaller: fewer batches ready after a pause where batches are large.
+# (half of 23 GB available). Loaders sharing the default budget split it (see
+# window_between_epochs). Smaller: fewer batches ready after a pause where batches are large.
 _AHEAD_MEMORY = 0.125
 # A grow must raise the batches per second by this share of its relative size (2 -> 4
 # workers: by 0.3 x 100%) or it is taken back. Higher: fewer useless workers kept; lower:

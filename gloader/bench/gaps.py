@@ -131,8 +131,7 @@ def report_gaps(results: dict[str, Any]) -> list[str]:
         lines.append(f"| {work} | " + " | ".join(summary(got["samples_per_s"][name]) for name in GAP_LOADERS)
                      + f" | {best} | {summary(got['auto_over_fastest'])}x | {ended} |")
     for work in works:
-        if "validation_per_s" in gaps[work]:  # results written before it was measured have none
-            beside = gaps[work]["validation_per_s"]
-            lines += ["", f"{work}: the validation loader's samples/s during the passes, beside "
-                      + ", ".join(f"{name} {summary(beside[name]).strip()}" for name in GAP_LOADERS)]
+        beside = gaps[work]["validation_per_s"]
+        lines += ["", f"{work}: the validation loader's samples/s during the passes, beside "
+                  + ", ".join(f"{name} {summary(beside[name]).strip()}" for name in GAP_LOADERS)]
     return lines
