@@ -102,7 +102,7 @@ def test_peers_are_reported_beside_gloader_and_a_missing_tensorpack_is_skipped_w
     results = bench.run(quick=True, rounds=1, only={"W1"})
     assert results["W1"]["skipped_peers"] == {"tensorpack": "not installed (pip install tensorpack)"}
     got = results["W1"]["samples_per_s"]
-    assert set(got) == {"gloader", "torch", "in-process", "gloader nw=1", "ceiling", "gloader auto"}
+    assert set(got) == {"gloader", "torch", "in-process", "gloader nw=1", "floor", "ceiling", "gloader auto"}
     assert all(v[0] > 0 for v in got.values())
     assert results["W1"]["auto_workers"] and all(count >= 1 for count in results["W1"]["auto_workers"])
     row = next(line for line in bench.report(results).splitlines() if line.startswith("| W1 |"))
@@ -250,6 +250,49 @@ def test_the_compute_ceiling_reports_quick_batches_in_counts_not_one_message_eac
         assert list(itertools.islice(it, first + 5)) == [None] * (first + 5)  # a None per batch
     finally:
         ceiling.close()
+
+
+class _Pairs:
+    """Sample i: (float32[3] filled with i, i), W1's form."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, idx: int) -> tuple[Any, int]:
+        import numpy as np
+
+        return np.full(3, idx, dtype=np.float32), idx
+
+
+def test_the_batching_floor_hands_over_whole_batches_of_samples_and_ends_its_workers_on_close() -> None:
+    floor = peers.BatchingFloor(_Pairs(), 8, 2)
+    workers = list(floor._workers)
+    try:
+        # More batches than both processes' slots hold: taking the next gives the last one back.
+        seen = []
+        for values, labels in itertools.islice(iter(floor), 3 * 2 * peers._FLOOR_SLOTS):
+            assert values.shape == (8, 3) and values.dtype == torch.float32 and labels.dtype == torch.int64
+            assert torch.equal(values, labels[:, None].float().expand(8, 3))  # each row its sample's
+            assert len(set(labels.tolist())) == 8  # a batch holds distinct samples of one pass
+            seen += labels.tolist()
+        assert set(seen) <= set(range(40)) and len(set(seen)) > 8
+        assert all(w.is_alive() for w in workers)
+    finally:
+        floor.close()
+    assert all(not w.is_alive() for w in workers) and floor._workers == []
+
+
+def test_the_batching_floor_names_the_exit_code_of_a_worker_that_ended() -> None:
+    floor = peers.BatchingFloor(_Pairs(), 8, 1)
+    try:
+        floor._workers[0].kill()
+        floor._workers[0].join(10)
+        it = iter(floor)
+        with pytest.raises(RuntimeError, match=r"one of the floor's workers ended \(exit codes \[-9\]\)"):
+            for _ in range(peers._FLOOR_SLOTS + 1):  # what it wrote before it was killed comes first
+                next(it)
+    finally:
+        floor.close()
 
 
 def test_the_compute_ceiling_tunes_malloc_as_gloaders_workers_do() -> None:

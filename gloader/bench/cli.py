@@ -12,8 +12,11 @@ Peers beside torch on W1-W3: the loop a user writes without workers, gloader wit
 worker, and tensorpack's MultiProcessRunnerZMQ with two (W1, W2; skipped with a message when
 tensorpack is not installed). On W1, W3 and W8, the compute ceiling: two processes that load
 each batch's samples and drop them (no batching, no transfer), the most any loader with two
-workers can deliver here; and gloader with num_workers='auto', which must not lose to the
-right fixed count (reported over gloader nw=2, with the count it ended with).
+workers can deliver here; on W1 also the batching floor: the leanest loader with two worker
+processes that hands over batches at all (each batch written into shared memory, no order,
+seeds or supervision), the most a loader that batches can deliver here; and gloader with
+num_workers='auto', which must not lose to the right fixed count (reported over gloader nw=2,
+with the count it ended with).
 
 Workloads:
     W1 tiny: samples of float32[16] + int, batch 256, shuffle.
@@ -79,7 +82,7 @@ from .datasets import (
 )
 from .figures import summary, three_digits
 from .gaps import GAP_LOADERS, measure_gaps, report_gaps
-from .peers import ComputeCeiling, InProcessLoop, TensorpackLoop, has_tensorpack
+from .peers import BatchingFloor, ComputeCeiling, InProcessLoop, TensorpackLoop, has_tensorpack
 from .remote import measure_remote, remote_loader_names, remote_summary, report_remote
 
 __all__ = ["main", "plot", "report", "run"]
@@ -100,7 +103,7 @@ _JPEGS = 2000
 _QUICK_JPEGS = 256
 
 # Peers measured beside gloader (nw=2) and torch (nw=2, persistent workers), per workload.
-_PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "ceiling", "gloader auto"),
+_PEERS = {"W1": ("in-process", "gloader nw=1", "tensorpack", "floor", "ceiling", "gloader auto"),
           "W2": ("in-process", "gloader nw=1", "tensorpack"),
           "W3": ("in-process", "gloader nw=1", "ceiling", "gloader auto"), "W8": ("ceiling", "gloader auto")}
 _SCALING = ("W3", "W8")
@@ -152,6 +155,8 @@ def _make_peer(name: str, dataset: Any, batch_size: int) -> Any:
         return InProcessLoop(dataset, batch_size)
     if name == "ceiling":
         return ComputeCeiling(dataset, batch_size, _WORKERS)
+    if name == "floor":
+        return BatchingFloor(dataset, batch_size, _WORKERS)
     return TensorpackLoop(dataset, batch_size, _WORKERS)
 
 
@@ -561,7 +566,7 @@ def _report_peers(results: dict[str, Any]) -> list[str]:
     rows = [name for name in _PEERS if name in results and "ratios" in results[name]]
     if not rows:
         return []
-    peers = ["in-process", "gloader nw=1", "tensorpack", "ceiling", "gloader auto"]
+    peers = ["in-process", "gloader nw=1", "tensorpack", "floor", "ceiling", "gloader auto"]
     # Each peer's cell gives gloader nw=2 / peer; the auto column, gloader's own other setting,
     # gives auto / nw=2, so that above 1 reads "auto was faster" there too.
     headers = [peer if peer != "gloader auto" else "gloader nw='auto' (auto / nw=2)" for peer in peers]
@@ -583,15 +588,16 @@ def _report_peers(results: dict[str, Any]) -> list[str]:
              for name in rows if "gloader auto" in results[name]["ratios"]]
     if autos:
         lines += ["", f"num_workers='auto' / gloader nw={_WORKERS} (per round): " + ", ".join(autos)]
-    for peer in ("torch", "tensorpack"):
-        bounds = []
-        for name in rows:
-            ratios = results[name]["ratios"]
-            if "ceiling" in ratios and peer in ratios:  # per round: (t_peer / t_gloader) / (t_ceiling / t_gloader)
-                bounds.append(f"{name} {summary([t / ce for t, ce in zip(ratios[peer], ratios['ceiling'])]).strip()}x")
-        if bounds:
-            lines += ["", f"Ceiling / {peer} nw={_WORKERS}, the most any loader can lead {peer} by here: "
-                      + ", ".join(bounds)]
+    for bound, what in (("ceiling", "any loader"), ("floor", "a loader that batches")):
+        for peer in ("torch", "tensorpack"):
+            leads = []
+            for name in rows:
+                ratios = results[name]["ratios"]
+                if bound in ratios and peer in ratios:  # per round: (t_peer / t_gloader) / (t_bound / t_gloader)
+                    leads.append(f"{name} {summary([t / b for t, b in zip(ratios[peer], ratios[bound])]).strip()}x")
+            if leads:
+                lines += ["", f"{bound.capitalize()} / {peer} nw={_WORKERS}, the most {what} can lead {peer} by "
+                          "here: " + ", ".join(leads)]
     return lines
 
 

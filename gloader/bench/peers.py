@@ -1,6 +1,7 @@
 """The benchmark's other peers, beside torch's DataLoader: the loop a user writes without
-workers, tensorpack's `MultiProcessRunnerZMQ` (optional: skipped when not installed), and the
-compute ceiling (worker processes that load the samples and drop them).
+workers, tensorpack's `MultiProcessRunnerZMQ` (optional: skipped when not installed), the
+compute ceiling (worker processes that load the samples and drop them) and the batching floor
+(the leanest loader that hands over batches at all).
 
 Each is an iterable whose `iter()` gives batches (of torch tensors, like a DataLoader, except
 the ceiling's, which are placeholders) and has `close()`.
@@ -12,7 +13,9 @@ import ctypes
 import importlib.util
 import io
 import logging
+import mmap
 import multiprocessing
+import multiprocessing.connection
 import queue
 import time
 from typing import Any, Iterator
@@ -22,7 +25,7 @@ import torch
 
 from gloader.batchify import default_batchify_fn
 
-__all__ = ["ComputeCeiling", "InProcessLoop", "TensorpackLoop", "has_tensorpack"]
+__all__ = ["BatchingFloor", "ComputeCeiling", "InProcessLoop", "TensorpackLoop", "has_tensorpack"]
 
 
 class InProcessLoop:
@@ -125,6 +128,91 @@ class ComputeCeiling:
 def has_tensorpack() -> bool:
     """Whether the optional `tensorpack` package is installed."""
     return importlib.util.find_spec("tensorpack") is not None
+
+
+# Batches each of the floor's processes may have written ahead of the caller.
+_FLOOR_SLOTS = 4
+
+
+def _write_batches(dataset: Any, batch_size: int, seed: int, fields: list[tuple[Any, np.dtype[Any], tuple[int, ...]]],
+                   link: Any, first_slot: int) -> None:
+    _keep_freed_memory()
+    views = [np.frombuffer(memory, dtype).reshape((-1, batch_size) + shape) for memory, dtype, shape in fields]
+    free = list(range(first_slot, first_slot + _FLOOR_SLOTS))
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(dataset)).tolist()
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            while not free:
+                free.append(link.recv())  # a slot the caller is done with
+            slot = free.pop()
+            samples = [dataset[k] for k in order[start:start + batch_size]]
+            for field, view in enumerate(views):
+                column = [sample[field] for sample in samples]
+                if view.ndim > 2:  # arrays: one concatenation into the slot, as gloader's workers write them
+                    np.concatenate(column, out=view[slot].reshape((-1,) + view.shape[3:]))
+                else:
+                    view[slot] = column
+            link.send(slot)
+
+
+class BatchingFloor:
+    """The leanest loader with `num_workers` processes that hands over batches at all: each
+    process runs its own shuffled pass (as tensorpack's do), writes each batch's fields into a
+    slot of shared memory (arrays with one concatenation, as gloader's workers write them) and
+    sends the slot's number; the caller wraps the slot as tensors without a copy and gives it
+    back when the next batch is taken. No order across processes, no seeds, no supervision, no
+    checks: what is left is the cost of loading and batching, and the least of handing over.
+    For samples that are tuples of numeric arrays and numbers (W1's).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, num_workers: int) -> None:
+        # Forked, so that the slots are anonymous shared memory: no name, no descriptor.
+        context = multiprocessing.get_context("fork")
+        fields = []
+        for value in dataset[0]:
+            array = np.asarray(value)
+            fields.append((mmap.mmap(-1, num_workers * _FLOOR_SLOTS * batch_size * array.nbytes), array.dtype,
+                           array.shape))
+        self._tensors = [torch.from_numpy(np.frombuffer(memory, dtype).reshape((-1, batch_size) + shape))
+                         for memory, dtype, shape in fields]
+        self._links: list[Any] = []
+        self._workers = []
+        for seed in range(num_workers):
+            mine, theirs = context.Pipe()
+            self._workers.append(context.Process(target=_write_batches, daemon=True, args=(
+                dataset, batch_size, seed, fields, theirs, seed * _FLOOR_SLOTS)))
+            self._links.append(mine)
+        for worker in self._workers:
+            worker.start()
+        self._held: tuple[Any, int] | None = None
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        while True:
+            ready = multiprocessing.connection.wait(self._links, _CEILING_WAIT_S)
+            if not ready:
+                raise RuntimeError(f"the floor's workers wrote no batch in {_CEILING_WAIT_S:.0f} s (exit codes "
+                                   f"{[w.exitcode for w in self._workers]})")
+            for link in ready:
+                assert isinstance(link, multiprocessing.connection.Connection)
+                try:
+                    slot: int = link.recv()
+                except (EOFError, OSError):  # its process is gone (OSError: in the middle of a message)
+                    raise RuntimeError(f"one of the floor's workers ended (exit codes "
+                                       f"{[w.exitcode for w in self._workers]})") from None
+                if self._held is not None:  # the batch before is done with once the next is taken
+                    self._held[0].send(self._held[1])
+                self._held = (link, slot)
+                yield [tensors[slot] for tensors in self._tensors]
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.terminate()
+        for worker in self._workers:
+            worker.join(10)
+        for link in self._links:
+            link.close()
+        self._workers, self._links = [], []
 
 
 class TensorpackLoop:
