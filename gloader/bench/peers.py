@@ -197,11 +197,11 @@ class BatchingFloor:
                 assert isinstance(link, multiprocessing.connection.Connection)
                 try:
                     slot: int = link.recv()
-                except (EOFError, OSError):  # its process is gone (OSError: in the middle of a message)
+                    if self._held is not None:  # the batch before is done with once the next is taken
+                        self._held[0].send(self._held[1])
+                except (EOFError, OSError):  # a process is gone (OSError: mid-message, or a broken pipe)
                     raise RuntimeError(f"one of the floor's workers ended (exit codes "
                                        f"{[w.exitcode for w in self._workers]})") from None
-                if self._held is not None:  # the batch before is done with once the next is taken
-                    self._held[0].send(self._held[1])
                 self._held = (link, slot)
                 yield [tensors[slot] for tensors in self._tensors]
 
