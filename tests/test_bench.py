@@ -342,6 +342,22 @@ def test_the_report_gives_the_ceiling_over_tensorpack_where_both_ran() -> None:
     assert bound.endswith("W1 1.35 (1.20-1.50)x")
 
 
+def test_the_report_gives_the_batching_floor_over_tensorpack_beside_the_ceiling() -> None:
+    # Round times (s): gloader 1.0 and 1.0, tensorpack 0.9 and 1.2, floor 0.75 and 0.8, ceiling 0.6 and 0.5.
+    ratios = {"torch": [5.0, 6.0], "tensorpack": [0.9, 1.2], "floor": [0.75, 0.8], "ceiling": [0.6, 0.5]}
+    samples = {"gloader": [10.0, 10.0], "torch": [2.0, 1.7], "tensorpack": [11.1, 8.3], "floor": [13.3, 12.5],
+               "ceiling": [16.7, 20.0]}
+    results = {"rounds": 2, "W1": {"title": "t", "samples_per_s": samples, "mb_per_s": samples, "ratio": [5.0, 6.0],
+                                   "ratios": ratios, "skipped_peers": {}}}
+    lines = bench.report(results).splitlines()
+    header = next(line for line in lines if line.startswith("| workload | gloader nw=2 |"))
+    assert header.split("|")[5:8] == [" tensorpack ", " floor ", " ceiling "]
+    # per round 0.9 / 0.75 = 1.20 and 1.2 / 0.8 = 1.50; the ceiling's 1.50 and 2.40
+    assert next(line for line in lines if line.startswith("Floor / tensorpack")).endswith("W1 1.35 (1.20-1.50)x")
+    assert next(line for line in lines if line.startswith("Ceiling / tensorpack")).endswith("W1 1.95 (1.50-2.40)x")
+    assert next(line for line in lines if line.startswith("Floor / torch")).endswith("W1 7.08 (6.67-7.50)x")
+
+
 def test_the_report_names_the_machine_it_ran_on() -> None:
     results = bench.run(quick=True, rounds=1, only={"W5"})
     line = next(line for line in bench.report(results).splitlines() if line.startswith("Machine: "))
