@@ -152,10 +152,13 @@ def test_jpeg_folder_workload_reports_a_row_and_a_scaling_table_and_removes_its_
     cells = [cell.strip() for cell in gaps.strip("|").split("|")]
     rates = [float(cell.split()[0]) for cell in cells[1:5]]
     assert all(rate > 0 for rate in rates) and 1 <= int(cells[7].split()[0]) <= 4
-    best = max(range(3), key=lambda k: rates[k])  # one round: the best count is that round's fastest
-    assert cells[5].endswith(f"(nw={(1, 2, 4)[best]})"), cells
+    # One round: the best count is that round's fastest. The cells print rates rounded, so two
+    # counts can read alike (200 and 200); the one named must be among the fastest read.
+    fastest = {k for k in range(3) if rates[k] == max(rates[:3])}
+    named = re.search(r"\(nw=(\d)\)$", cells[5])
+    assert named is not None and (1, 2, 4).index(int(named.group(1))) in fastest, cells
     for cell in cells[5:7]:
-        assert _ratio_of_rounded(float(cell.split()[0].strip("*x")), rates[3], rates[best]), cells
+        assert _ratio_of_rounded(float(cell.split()[0].strip("*x")), rates[3], max(rates[:3])), cells
     assert set(glob.glob(f"{tempfile.gettempdir()}/gloader-bench-jpegs-*")) == before
 
 
