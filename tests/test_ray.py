@@ -189,8 +189,9 @@ class Hangs:
 
 
 def test_a_batch_over_its_timeout_raises_and_its_actors_end() -> None:
-    # 15 s: room for the actors' start on a loaded machine (the first batches wait for it)
-    with DataLoader(Hangs(), batch_size=2, pool=_pool(2), timeout=15) as loader:
+    # 8 s: room for the actors' start on a loaded machine (the first batch waits for it; 2.6 s
+    # on a quiet 2-CPU host)
+    with DataLoader(Hangs(), batch_size=2, pool=_pool(2), timeout=8) as loader:
         iterator = iter(loader)
         actors = actors_of(loader) if next(iterator) is not None else []
         next(iterator)
@@ -234,7 +235,7 @@ def test_a_hang_inside_a_task_of_several_batches_times_out_naming_that_batch(tmp
     # Sample 301 (batch 150 of epoch 1) lies beyond what the loader dispatches of epoch 1 while
     # epoch 0 ends, so it is loaded after the flag is set, in a task of several batches.
     dataset = _data.SleepsWhenFlagged(str(flag), slow=301, seconds=60.0, length=400)
-    with DataLoader(dataset, batch_size=2, pool=_pool(2), timeout=10) as loader:
+    with DataLoader(dataset, batch_size=2, pool=_pool(2), timeout=6) as loader:
         list(loader)
         assert loader._engine.batches_per_task() > 1
         flag.touch()
