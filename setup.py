@@ -23,6 +23,9 @@ setup(
         "test": [
             "pytest>=7.4",
             "pytest-timeout>=2.2",
+            # Two test processes (pytest.ini): the suite waits on workers, deadlines and
+            # subprocesses half its time; xdist runs tests side by side, which we would not rebuild.
+            "pytest-xdist>=3.5",
             "hypothesis>=6.80",
             "psutil>=5.9",
             "nbclient>=0.9",

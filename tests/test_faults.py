@@ -340,7 +340,7 @@ def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path, 
         stderr = proc.stderr.read()
     assert "KeyboardInterrupt" in stderr and "Exception ignored" not in stderr and "ResourceWarning" not in stderr
     assert _gone(pids, 5.0)
-    assert dev_shm_names() - names_before == set()
+    assert wait_until(lambda: not dev_shm_names() - names_before, 5.0), dev_shm_names() - names_before
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -358,7 +358,7 @@ def test_killed_caller_leaves_no_workers_and_no_shared_memory(tmp_path, start_me
         proc.kill()
         proc.wait(10)
     assert _gone(pids, 5.0)  # and with the last process that mapped them, the kernel freed them
-    assert dev_shm_names() - names_before == set()
+    assert wait_until(lambda: not dev_shm_names() - names_before, 5.0), dev_shm_names() - names_before
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -403,7 +403,7 @@ def test_killing_the_whole_process_group_leaves_nothing_behind(tmp_path, start_m
         os.killpg(proc.pid, sig)
         proc.wait(10)
         assert _gone(pids, 5.0)
-    assert dev_shm_names() - names_before == set()
+    assert wait_until(lambda: not dev_shm_names() - names_before, 5.0), dev_shm_names() - names_before
     # Semaphores that other processes make for a moment go by themselves; a pool's would stay.
     assert wait_until(lambda: not semaphore_names() - semaphores_before, 5.0), semaphore_names() - semaphores_before
     left = payload_dirs() - dirs_before
@@ -431,7 +431,7 @@ def test_interpreter_exit_with_a_live_loader_is_prompt_and_quiet(tmp_path, start
         assert time.monotonic() - started < 6.0
         stderr = proc.stderr.read()
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
-    assert dev_shm_names() - names_before == set()
+    assert wait_until(lambda: not dev_shm_names() - names_before, 5.0), dev_shm_names() - names_before
 
 
 def test_soak_fifty_loaders_and_two_hundred_epochs_leave_counts_unchanged() -> None:

@@ -17,13 +17,13 @@ import gloader
 from gloader import BatchTimeoutError, DataLoader, RayPool
 from gloader.sampler import DistributedSampler
 from tests import _data
-from tests.conftest import RAY_WORKERS_NOT_NICED, dev_shm_names
+from tests.conftest import RAY_WORKERS_NOT_NICED, dev_shm_names, wait_until
 
 ray = pytest.importorskip("ray")
 
 # Generous: on a loaded 2-CPU machine (two CPU hogs and another gloader program) Ray's own
 # processes and each new actor's start are starved; the module took 14.5 min there, 75 s alone.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("ray")]  # one Ray instance at a time (pytest.ini)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +44,7 @@ def no_leaks() -> Iterator[None]:
     /dev/shm name, and `actors_of` checks that close() ended the loader's actors."""
     before = dev_shm_names()
     yield
-    assert dev_shm_names() - before == set()
+    assert wait_until(lambda: not dev_shm_names() - before, 5.0), dev_shm_names() - before
 
 
 def _pool(workers: int) -> RayPool:

@@ -15,7 +15,8 @@ from tests.conftest import RAY_WORKERS_NOT_NICED
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-pytestmark = pytest.mark.timeout(900)  # three nodes' processes start slowly on a loaded machine
+pytestmark = [pytest.mark.timeout(900),  # three nodes' processes start slowly on a loaded machine
+              pytest.mark.xdist_group("ray")]  # one Ray instance at a time (pytest.ini)
 
 
 @pytest.fixture(scope="module")
