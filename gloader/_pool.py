@@ -35,6 +35,7 @@ from ._mppool import (
     pool_resizing,
     pool_running,
     pool_workers,
+    preload_in_forkserver,
     release_pool_files,
     resize_pool,
     stop_maintenance,
@@ -303,6 +304,8 @@ class ProcessCore(PoolCore):
 
             resource_tracker.ensure_running()
         check_multiprocess()  # a release that renamed a name gloader relies on is named here
+        if ctx.get_start_method() == "forkserver":
+            preload_in_forkserver("gloader")
         from ._mpclasses import FastPool  # imported only now: see _mpclasses
 
         with _sigint_blocked():

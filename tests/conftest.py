@@ -139,7 +139,8 @@ def _warm_shared_heap() -> None:
     arenas of synchronized values (two fds each; a pool's status table grows with the most
     workers it may have, 128 at most: 17 KiB, so an arena that holds several is made and
     kept, as the heap keeps arenas under 4 MiB for reuse), the resource tracker (spawn; one pipe) and the
-    forkserver (one pipe), and the stdlib's resource tracker that torch.multiprocessing uses.
+    forkserver (one pipe; importing gloader, as gloader starts it), and the stdlib's resource
+    tracker that torch.multiprocessing uses.
     Each is made once per process and reused, never per loader. On a GPU machine, also the
     CUDA context, whose device files stay open for the life of the process."""
     from multiprocessing import resource_tracker as stdlib_tracker
@@ -151,6 +152,9 @@ def _warm_shared_heap() -> None:
     multiprocess.get_context("fork").Value("i", 0)
     multiprocess.get_context("fork").Array("q", 8192, lock=False)  # 64 KiB, freed at once, its arena kept
     resource_tracker.ensure_running()
+    from gloader._mppool import preload_in_forkserver
+
+    preload_in_forkserver("gloader")  # as the first forkserver loader would have it start
     forkserver.ensure_running()
     import torch
 

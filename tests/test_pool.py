@@ -596,3 +596,37 @@ def test_a_renamed_name_of_multiprocess_is_named_when_a_pool_is_made(monkeypatch
     monkeypatch.setattr(_mppool, "_CHECKED", False)
     with pytest.raises(ImportError, match=r"multiprocess\.pool\.Pool\._renamed_in_a_release.*<0\.71"):
         _pool.make_core(1, False, "fork", [])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_forkserver_workers_fork_from_a_server_that_imported_gloader_and_torch(tmp_path: pathlib.Path) -> None:
+    # In a fresh program: this one's fork server started before any loader (tests/conftest.py).
+    script = tmp_path / "main.py"
+    script.write_text(textwrap.dedent("""
+        import json
+
+        import numpy as np
+        from multiprocess import forkserver
+
+        from gloader import DataLoader
+
+        if __name__ == "__main__":
+            forkserver.set_forkserver_preload(["__main__", "json"])  # the program's own list
+            with DataLoader(np.arange(64, dtype=np.float32), batch_size=8, num_workers=2,
+                            start_method="forkserver") as loader:
+                total = float(sum(batch.sum() for batch in loader))
+                server = forkserver._forkserver._forkserver_pid
+                with open(f"/proc/{server}/maps") as maps:
+                    torch_in_server = "libtorch" in maps.read()
+                in_workers = [pid for pid in loader.worker_pids() if open(f"/proc/{pid}/stat").read().split()[3] == str(server)]
+            print(json.dumps({"total": total, "torch_in_server": torch_in_server, "workers_forked_by_server": len(in_workers),
+                              "preload": forkserver._forkserver._preload_modules}))
+        """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    import json
+
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"total": float(sum(range(64))), "torch_in_server": True, "workers_forked_by_server": 2,
+                   "preload": ["__main__", "json", "gloader"]}
