@@ -21,8 +21,8 @@ __all__ = ["ATOMIC_TASK_BYTES", "DEFAULT_PIPE_BYTES", "EXIT_RESULTS_CLOSED", "EX
            "MODULE_NAMES", "PARTIAL", "POOL_ATTRIBUTES", "QUEUE_ATTRIBUTES", "RESULT_PIPE_BYTES", "WorkerTarget",
            "check_multiprocess", "disk_full", "exit_counter", "failed_result", "forget_pool_after_fork", "forget_task",
            "frame", "is_retire_task", "make_thread_pool", "missing_multiprocess_names", "on_result_sent",
-           "on_task_taken", "on_task_wanted", "pool_resizing", "preload_in_forkserver", "pool_running", "pool_worker", "pool_workers",
-           "release_pool_files", "resize_pool", "send_partial", "spill", "stop_maintenance"]
+           "on_task_taken", "on_task_wanted", "pool_resizing", "pool_running", "pool_worker", "pool_workers",
+           "preload_in_forkserver", "release_pool_files", "resize_pool", "send_partial", "spill", "stop_maintenance"]
 
 
 # A task message up to this size is taken from the task socket in one read once all of it

@@ -145,6 +145,7 @@ def test_scaling_and_validation_gap_tables_agree_with_their_own_figures() -> Non
     for column, found in ((0, paired.group(1)), (1, paired.group(2))):
         assert _ratio_of_rounded(float(found), float(ratios[2][column]), float(ratios[1][column])), scaling
     # num_workers='auto' beside 1, 2 and 4 workers with validation passes between epochs
+    assert "training samples/s over epoch 2, the passes' time included" in done.stdout  # --quick times one epoch
     gaps = next(line for line in done.stdout.splitlines() if line.startswith("| W3 |") and line.endswith("workers |"))
     cells = [cell.strip() for cell in gaps.strip("|").split("|")]
     rates = [float(cell.split()[0]) for cell in cells[1:5]]

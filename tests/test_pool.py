@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pathlib
 import pickle
@@ -618,15 +619,16 @@ def test_forkserver_workers_fork_from_a_server_that_imported_gloader_and_torch(t
                 server = forkserver._forkserver._forkserver_pid
                 with open(f"/proc/{server}/maps") as maps:
                     torch_in_server = "libtorch" in maps.read()
-                in_workers = [pid for pid in loader.worker_pids() if open(f"/proc/{pid}/stat").read().split()[3] == str(server)]
+                in_workers = []
+                for pid in loader.worker_pids():
+                    with open(f"/proc/{pid}/stat") as stat:
+                        in_workers += [pid] if stat.read().split()[3] == str(server) else []  # its parent
             print(json.dumps({"total": total, "torch_in_server": torch_in_server, "workers_forked_by_server": len(in_workers),
                               "preload": forkserver._forkserver._preload_modules}))
         """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr
-    import json
-
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == {"total": float(sum(range(64))), "torch_in_server": True, "workers_forked_by_server": 2,
                    "preload": ["__main__", "json", "gloader"]}
