@@ -216,8 +216,8 @@ class _Spilled:
 def _load_spilled(path: str) -> Any:
     from multiprocess.queues import _ForkingPickler
 
-    try:
-        with open(path, "rb") as file:
+    try:  # never through a link (the pool's directory is the user's alone: see _pooldir)
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as file:
             data = file.read()
     finally:
         os.unlink(path)
@@ -243,7 +243,7 @@ def spill(data: bytes, directory: str) -> bytes:
     writes the file has put nothing into the pipe (the file goes with the directory when the
     pool closes); the message it sends after is under PIPE_BUF, written whole."""
     path = os.path.join(directory, f"result-{os.getpid()}-{next(_spilled)}.pkl")
-    with open(path, "wb") as file:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "wb") as file:
         file.write(data)
     return pickle.dumps(_Spilled(path), protocol=pickle.HIGHEST_PROTOCOL)
 

@@ -40,7 +40,7 @@ from ._mppool import (
     resize_pool,
     stop_maintenance,
 )
-from ._pooldir import PoolDirectory, ProcessLock
+from ._pooldir import PoolDirectory, ProcessLock, open_private_file
 from ._protocol import WorkerExitedError
 from ._registry import Payload, register_loader, unregister_loader
 from ._worker import (
@@ -393,7 +393,7 @@ class ProcessCore(PoolCore):
         """Register a loader on the running pool: workers read its payload file at their first
         task for it."""
         path = os.path.join(self.payload_dir, f"{loader_id}.pkl")
-        handle = open(path + ".tmp", "wb")
+        handle = open(open_private_file(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
         try:
             with handle:
                 pickle.dump(payload, handle, protocol=pickle.HIGHEST_PROTOCOL)

@@ -19,6 +19,7 @@ nothing in a way that can block or follow a link: a FIFO or a link named `alive`
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import logging
@@ -30,7 +31,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
-__all__ = ["PoolDirectory", "ProcessLock", "user_base"]
+__all__ = ["PoolDirectory", "ProcessLock", "check_private_directory", "is_private_directory", "open_private_file",
+           "user_base"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +61,23 @@ def user_base() -> str:
     except FileExistsError:
         pass
     info = os.lstat(path)
-    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+    if is_private_directory(info):
         return path
     return _private(f"{path} is {_describe(info)}, not a directory of this user's (uid {os.getuid()}) closed to "
                     "others")
 
 
+def is_private_directory(info: os.stat_result) -> bool:
+    """Whether `info` (from `os.lstat`: a link is not followed) is a directory of this user's
+    that nobody else can read, write or enter."""
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+
+
 def _private(why: str) -> str:
     global _private_base, _said_private
-    if _private_base is None or not os.path.isdir(_private_base):  # the last pool removes it when empty
+    if _private_base is None or not _still_private(_private_base):
+        # Made anew, never reused by name: once the last pool removed it, anyone may have put
+        # a link or a directory of theirs there.
         _private_base = tempfile.mkdtemp(prefix=f"gloader-{os.getuid()}-")
     if not _said_private:
         _said_private = True
@@ -77,9 +87,47 @@ def _private(why: str) -> str:
     return _private_base
 
 
+def _still_private(path: str) -> bool:
+    try:
+        return is_private_directory(os.lstat(path))
+    except OSError:
+        return False
+
+
+def check_private_directory(path: str) -> None:
+    """Raise PermissionError unless `path` is a directory of this user's closed to others,
+    reached without following a link (a pool's directory, before a worker reads a payload or
+    a result from it)."""
+    info = os.lstat(path)
+    if not is_private_directory(info):
+        raise PermissionError(errno.EACCES, f"gloader will not read files from {path}: it is {_describe(info)}, "
+                                            f"not a directory of this user's (uid {os.getuid()}) closed to others",
+                              path)
+
+
 def _describe(info: os.stat_result) -> str:
-    kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a link" if stat.S_ISLNK(info.st_mode) else "not a directory"
+    kind = ("a directory" if stat.S_ISDIR(info.st_mode) else "a link" if stat.S_ISLNK(info.st_mode) else
+            "a file" if stat.S_ISREG(info.st_mode) else "not a directory or file")
     return f"{kind} of uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}"
+
+
+def open_private_file(path: str, flags: int = os.O_RDONLY) -> int:
+    """Open a file gloader wrote in a pool's directory (a payload, a spilled result) for
+    reading, or (`flags` with O_CREAT) make a new one, mode 0600: never through a link, never
+    one another user owns or can write, never anything that could block (a FIFO). Returns the
+    descriptor; PermissionError names the path and what was found."""
+    check_private_directory(os.path.dirname(path))
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise PermissionError(errno.EACCES, f"gloader will not use {path}: it is {_describe(info)}, not a file "
+                                                f"of this user's (uid {os.getuid()}) that only they can write", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class PoolDirectory:
@@ -93,6 +141,9 @@ class PoolDirectory:
             except FileNotFoundError:  # another process's last pool removed the empty base just now
                 if attempt == 2:
                     raise
+        # mkdtemp made it 0700 and new (it never follows a link): checked all the same, as
+        # workers check it before they read what the caller left there.
+        check_private_directory(self.path)
         marking = os.path.join(self.path, _ALIVE + ".new")
         self._alive = os.open(marking, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._alive, fcntl.LOCK_SH)  # shared: a sweeper's try for LOCK_EX fails
@@ -166,14 +217,14 @@ class ProcessLock:
 
     def __init__(self, path: str) -> None:
         self._path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
 
     def __getstate__(self) -> str:
         return self._path
 
     def __setstate__(self, path: str) -> None:
         self._path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
 
     def close(self, _os_close: Callable[[int], None] = os.close) -> None:
         """Close the descriptor (which drops this process's hold on the lock, if any).

@@ -28,6 +28,7 @@ from . import _registry
 from ._admission import Admission
 from ._fetch import BatchWriter, Cursor, DirectWriter, SharedMemoryWriter, load_batch
 from ._mppool import is_retire_task, on_result_sent, on_task_taken, on_task_wanted, send_partial
+from ._pooldir import open_private_file
 from ._process_setup import EXIT_CALLER_GONE, prepare_process
 from ._protocol import StreamRequest, WorkerFailure, encode, encode_answers
 from ._registry import Payload, Registration
@@ -187,8 +188,8 @@ class _ProcessLink:
         self._refresh()
         registration = _registry.lookup(loader_id)
         if registration is None:
-            try:
-                with open(self._payload_path(loader_id), "rb") as handle:
+            try:  # only a file of this user's, in the pool's directory of theirs alone: it is unpickled
+                with open(open_private_file(self._payload_path(loader_id)), "rb") as handle:
                     payload = pickle.load(handle)
             except FileNotFoundError:
                 return None
@@ -326,7 +327,10 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
         failure = WorkerFailure("builtins.RuntimeError", "gloader worker was not initialized", "", "",
                                 batches[0][0], None, -1, os.getpid(), None)
         return encode_answers([failure] * len(batches))
-    registration = state.link.find(loader_id, state)
+    try:
+        registration, missing = state.link.find(loader_id, state), None
+    except OSError as unreadable:  # its payload file could not be read, or is not the user's alone (see _pooldir)
+        registration, missing = None, unreadable
     space = SlotSpace(slot)
     maps = state.writer.maps if isinstance(state.writer, SharedMemoryWriter) else None
     if maps is not None:
@@ -343,8 +347,8 @@ def run_task(loader_id: int, epoch: int, batches: tuple[tuple[int, int, Any], ..
                 answers.append(None)
                 continue
             if registration is None:
-                exc = RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed or its "
-                                   "pool was started without it")
+                exc = missing or RuntimeError(f"gloader worker has no loader {loader_id} registered; it was closed "
+                                              "or its pool was started without it")
                 message: Any = state.failure(exc, "", "", batch_index, None)
             else:
                 state.link.begin(loader_id, epoch, batch_index)

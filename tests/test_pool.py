@@ -523,6 +523,59 @@ def test_a_base_directory_others_can_use_is_left_alone_for_a_private_one_said_on
     assert base.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == [base.name]  # the private one went
 
 
+def test_a_private_base_that_went_and_came_back_as_a_link_is_not_reused(tmp_path, monkeypatch) -> None:
+    """Where `<tmp>/gloader-<uid>` is someone else's, the process's private directory serves; once
+    its last pool removed it, another user can put a link to a directory of theirs at its name.
+    The next pool must not follow it: its directory (and the payloads workers unpickle) would be
+    made where that user can swap them."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(_pooldir, "_private_base", None)
+    monkeypatch.setattr(_pooldir, "_said_private", True)
+    (tmp_path / f"gloader-{os.getuid()}").mkdir(mode=0o777)
+    (tmp_path / f"gloader-{os.getuid()}").chmod(0o777)  # taken, open to everyone
+    with WorkerPool(1) as pool, DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
+        assert len(list(loader)) == 2
+    private = pathlib.Path(_pooldir._private_base)
+    assert not private.exists()  # the last pool removed it
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    private.symlink_to(theirs)  # what another user can do once the name is free
+    with WorkerPool(1) as pool, DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
+        assert len(list(loader)) == 2
+        assert not pool.core.payload_dir.startswith(str(private) + os.sep)
+        assert list(theirs.iterdir()) == []  # nothing of the pool's was made in their directory
+    assert private.is_symlink()  # and the link, not ours, is left alone
+
+
+def test_a_pool_directory_others_can_write_to_is_refused_for_payloads(tmp_path) -> None:
+    """The payload of a loader joining a running pool is a pickle that workers load: it is written
+    and read only in a directory of the user's alone, through no link, as a file only they can
+    write; anything else is a PermissionError naming the path, and nothing is unpickled."""
+    with WorkerPool(1) as pool:
+        directory = pool.core.payload_dir
+        os.chmod(directory, 0o777)
+        try:
+            with DataLoader(np.arange(4), batch_size=2, pool=pool) as loader:
+                with pytest.raises(PermissionError, match=f"{directory}.*closed to others"):
+                    next(iter(loader))
+        finally:
+            os.chmod(directory, 0o700)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "theirs.pkl").write_bytes(pickle.dumps(1))
+    (private / "link.pkl").symlink_to(private / "theirs.pkl")
+    with pytest.raises(OSError):  # ELOOP: a link is not followed
+        _pooldir.open_private_file(str(private / "link.pkl"))
+    os.chmod(private / "theirs.pkl", 0o666)
+    with pytest.raises(PermissionError, match="only they can write"):
+        _pooldir.open_private_file(str(private / "theirs.pkl"))
+    os.mkfifo(private / "fifo.pkl", 0o600)
+    with pytest.raises(PermissionError, match="not a file"):  # never blocks on a FIFO
+        _pooldir.open_private_file(str(private / "fifo.pkl"))
+
+
 def _big_bytes(samples: list[Any]) -> bytes:
     return b"x" * (4 << 20)  # travels in its answer, too large for the result pipe: spilled to a file
 
