@@ -2,8 +2,8 @@
 
 `SlotPool` creates every segment and owns it. It lends a free one, sized for the batches seen
 so far, with each dispatched batch; rebuilds the worker's handle into tensors that view the
-segment (no copy); and takes the slot back only when the last of those tensors is freed (a
-`weakref.finalize` on the batch's base array), so a batch the user keeps is never
+segment (no copy); and takes the slot back only when the last of those tensors is freed (see
+`_dropped`: the batch's base array is watched), so a batch the user keeps is never
 overwritten. Because the caller owns the memory, a worker that dies loses nothing the caller
 has been sent. It reads the answers workers publish in a slot (`SlotPool.answers`) whenever
 the engine looks. Runs in the caller's process.
@@ -18,13 +18,13 @@ import math
 import mmap
 import os
 import threading
-import weakref
 import zlib
 from typing import Any
 
 import numpy as np
 import torch
 
+from ._dropped import on_drop, run_dropped
 from ._math import round_up
 from ._segment import (
     ALIGN_BYTES,
@@ -276,6 +276,7 @@ class SlotPool:
         The slot is free again once each of them has come back: given back, or rebuilt and
         freed. `most`: how many batches later tasks may carry; new slots have room for that
         many (the most asked so far), so tasks of a varying size reuse the same slots."""
+        run_dropped()  # batches the caller dropped since: their slots may be free now
         with self._lock:
             if self._closed:
                 return None
@@ -293,7 +294,8 @@ class SlotPool:
             for small in list(self._free):  # all smaller than what is coming: replaced by bigger ones
                 self._free.remove(small)
                 self._retire(small)
-        made = _Lendable(*create_segment(HEADER_BYTES + _capacity_for(room), register=self._register))
+        made = _Lendable(*create_segment(HEADER_BYTES + _capacity_for(room), register=self._register,
+                                                  on_drop=on_drop))
         with self._lock:
             return self._adopt(made, batches)
 
@@ -304,7 +306,7 @@ class SlotPool:
         inside their handles (~50 ms for a 9.6 MB batch). Retired once its batches are back."""
         if self._probes >= _MAX_PROBES:
             return None
-        made = _Lendable(*create_segment(PROBE_BYTES, reserve=False))
+        made = _Lendable(*create_segment(PROBE_BYTES, reserve=False, on_drop=on_drop))
         made.probe = True
         self._probes += 1
         return self._adopt(made, batches)
@@ -371,8 +373,7 @@ class SlotPool:
             self._collected(lent, start + total)
         base = np.frombuffer(lent.segment, dtype=np.uint8, count=total, offset=start)
         batch = _decode(spec, base)
-        release = weakref.finalize(base, self.release, token, start, start + total)
-        release.atexit = False
+        on_drop(base, self.release, token, start, start + total)
         return batch
 
     def give_back(self, slot: Slot | None, handle: Handle | None) -> None:
@@ -445,6 +446,7 @@ class SlotPool:
     def in_use_bytes(self) -> int:
         """Bytes of shared memory this loader's slots hold in memory (free slots included: the
         pages written and not given back)."""
+        run_dropped()
         with self._lock:
             return sum((resident_bytes(slot.segment, slot.fd) for slot in self._slots.values()))
 

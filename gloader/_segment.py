@@ -101,7 +101,16 @@ def _unmap(address: int, size: int, unregister: Callable[[], None] | None) -> No
     c_library().munmap(address, size)
 
 
-def map_fd(fd: int, size: int, register: Register | None = None) -> Segment:
+# Has `fn(*args)` run once an object is garbage: `weakref.finalize` where it is, or the
+# caller's `_dropped.on_drop`, which a Ctrl-C cannot be lost in.
+OnDrop = Callable[..., None]
+
+
+def _finalize(obj: Any, fn: Callable[..., None], *args: Any) -> None:
+    weakref.finalize(obj, fn, *args).atexit = False  # views may outlive exit hooks
+
+
+def map_fd(fd: int, size: int, register: Register | None = None, on_drop: OnDrop = _finalize) -> Segment:
     """Map `size` bytes of `fd` shared, keeping no file descriptor.
 
     Python's mmap.mmap duplicates the descriptor and keeps it while mapped: one fd per batch
@@ -120,7 +129,7 @@ def map_fd(fd: int, size: int, register: Register | None = None) -> Segment:
     libc.madvise(address, size, _MADV_DONTFORK)
     segment = (ctypes.c_ubyte * size).from_address(address)
     unregister = register(address, size) if register is not None else None
-    weakref.finalize(segment, _unmap, address, size, unregister).atexit = False  # views may outlive exit hooks
+    on_drop(segment, _unmap, address, size, unregister)
     return segment
 _TWINS: dict[torch.dtype, np.dtype[Any] | None] = {}
 
@@ -157,10 +166,11 @@ def out_of_memory(needed: int, exc: OSError) -> OSError:
                               "reached; lower prefetch or batch_size, or raise the limit")
 
 
-def create_segment(size: int, reserve: bool = True, register: Register | None = None) -> tuple[int, Segment]:
+def create_segment(size: int, reserve: bool = True, register: Register | None = None,
+                   on_drop: OnDrop = _finalize) -> tuple[int, Segment]:
     """A new anonymous segment of `size` bytes: (its descriptor, its mapping). Unless
     `reserve` is False (a probe slot), its pages are reserved at once; `register` is given
-    the mapping (see Register)."""
+    the mapping (see Register); `on_drop` unmaps it once it is garbage (see OnDrop)."""
     fd = os.memfd_create(SEGMENT_NAME, os.MFD_CLOEXEC)
     try:
         # Reserve the pages now: running out of memory then fails here with an error instead
@@ -174,7 +184,7 @@ def create_segment(size: int, reserve: bool = True, register: Register | None = 
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise out_of_memory(size, exc) from exc
             raise
-        return fd, map_fd(fd, size, register)
+        return fd, map_fd(fd, size, register, on_drop)
     except BaseException:
         os.close(fd)
         raise

@@ -316,6 +316,43 @@ def test_a_ctrl_c_whose_wait_then_fails_to_release_its_lock_is_still_a_keyboard_
         monkeypatch.undo()
 
 
+def test_a_ctrl_c_while_a_dropped_batch_gives_its_slot_back_reaches_the_loop(tmp_path) -> None:
+    """A loop drops a batch at every step; giving its shared memory back used to run in a
+    `weakref.finalize` callback, where CPython prints an exception as "Exception ignored" and
+    drops it: a Ctrl-C that landed then was lost and the loop went on (2 of 16 trials). Here
+    giving back is made slow, so that the Ctrl-C lands in it."""
+    with _run_script(tmp_path, """
+        from gloader import _caller_slots
+        release = _caller_slots.SlotPool.release
+
+        def slow_release(self, *args):
+            time.sleep(0.05)  # where the Ctrl-C lands, nearly always
+            return release(self, *args)
+
+        _caller_slots.SlotPool.release = slow_release
+        with DataLoader(np.zeros((4096, 16), np.float32), batch_size=4, num_workers=1) as loader:
+            try:
+                for step, batch in enumerate(b for _ in range(100) for b in loader):
+                    if step == 20:
+                        print("looping", flush=True)
+                    elif step == 300:  # 15 s of steps after the Ctrl-C was sent
+                        print("went on", flush=True)
+                        break
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+        """) as proc:
+        assert _wait_line(proc) == "looping"
+        proc.send_signal(signal.SIGINT)
+        try:
+            line = _wait_line(proc)
+        finally:
+            proc.kill()  # before the fix it loops on: stderr is read once it is gone
+            proc.wait(10)
+        stderr = proc.stderr.read()
+    assert line == "interrupted", stderr
+    assert "Exception ignored" not in stderr
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_ctrl_c_reaches_the_caller_within_a_second_and_leaves_nothing(tmp_path, start_method: str) -> None:
     names_before = dev_shm_names()
