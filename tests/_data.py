@@ -2,6 +2,7 @@
 that spawn and forkserver workers can find them)."""
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import faulthandler
@@ -276,6 +277,27 @@ class Records(gloader.Dataset):
     def __getitem__(self, idx: int) -> Any:
         return {"x": np.arange(6, dtype=np.float32).reshape(2, 3) + idx, "label": idx, "weight": idx / 2,
                 "flag": idx % 2 == 0, "name": f"item{idx}", "pair": (np.int16(idx), torch.tensor([idx, -idx]))}
+
+
+class SlowToFree(gloader.Dataset):
+    """A worker process that loaded from it takes `seconds` more at the interpreter's exit, as one
+    freeing a dataset of a million records does (an exit hook that sleeps: freeing is not
+    reliably measurable, an exit hook runs exactly where the interpreter's teardown begins)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, idx: int) -> Any:
+        if gloader.get_worker_info() is not None and not _SLOW_EXIT:
+            _SLOW_EXIT.append(True)
+            atexit.register(time.sleep, self.seconds)
+        return np.array([idx])
+
+
+_SLOW_EXIT: list[bool] = []
 
 
 class IgnoresTerm(gloader.Dataset):
