@@ -38,7 +38,14 @@ setup(
             # Accelerate: the tests run examples/accelerate_ddp.py under a real 2-process launch,
             # since its prepare() is where users meet gloader (pure Python; uses the torch installed).
             "accelerate>=1.0",
+            # The trainers themselves, which tests/test_in_trainers.py runs as users do (their own
+            # hooks, seeding and resume are what a stand-in cannot reproduce); both use the torch installed.
+            "lightning>=2.2",
+            "transformers>=4.40",
         ],
+        # gloader.integrations: Accelerate's gradient state and gather_for_metrics, the Trainer's resume.
+        "accelerate": ["accelerate>=1.0"],
+        "transformers": ["transformers>=4.40", "accelerate>=1.0"],
         # MkDocs builds the site in docs/; mkdocstrings writes its API reference from the docstrings.
         "docs": ["mkdocs>=1.6,<2", "mkdocstrings[python]>=0.26"],
         # tensorpack: a peer the benchmark compares with (W1, W2); pillow: W8's JPEGs; Ray Data:

@@ -18,19 +18,10 @@ __all__ = ["IN_VARS", "TorchAttributes"]
 _T_co = TypeVar("_T_co", covariant=True)
 
 
-class _ReadOnlyAttributeError(AttributeError, ValueError):
-    """Setting a loader attribute: an AttributeError, and a ValueError, as torch's DataLoader
-    raises for `batch_size`, `sampler`, `dataset` and the like, so code catching either works."""
-
-
-def _read_only(name: str, loader: Any) -> _ReadOnlyAttributeError:
-    return _ReadOnlyAttributeError(f"DataLoader.{name} is read-only; build a new DataLoader to change it",
-                                   name=name, obj=loader)
-
-
 class _FromConfig:
-    """A read-only loader attribute, read from the loader's checked config; also in the
-    loader's instance dict (see IN_VARS)."""
+    """A loader attribute, read from the loader's checked config; also in the loader's instance
+    dict (see IN_VARS). Set, it goes through `DataLoader._change_setting`: torch's rule decides
+    which can change (`LoaderConfig.with_setting`)."""
 
     def __init__(self, field: str, doc: str) -> None:
         self._field = field
@@ -43,15 +34,18 @@ class _FromConfig:
         return self if loader is None else getattr(loader._options, self._field)
 
     def __set__(self, loader: Any, value: Any) -> None:
-        raise _read_only(self._name, loader)
+        loader._change_setting(self._name, value)
 
 
 class TorchAttributes(torch_data.DataLoader[_T_co]):
-    """torch's DataLoader attributes, read-only (the loader is built from them once), read
-    from `_options`, the loader's `LoaderConfig`; also the Gluon arguments with no torch name."""
+    """torch's DataLoader attributes, read from `_options`, the loader's `LoaderConfig`; also
+    the Gluon arguments with no torch name. Those torch lets code set after construction can be
+    set (the next iter() loads with them), the others raise (see `LoaderConfig.with_setting`)."""
 
     _options: LoaderConfig
 
+    def _change_setting(self, name: str, value: Any) -> None:
+        raise NotImplementedError  # the loader's
     dataset = _FromConfig("dataset", "The dataset batches are loaded from.")
     batch_size = _FromConfig("batch_size", "Samples per batch; None with batch_sampler= or batch_size=None.")
     sampler = _FromConfig("sampler", "The sampler that decides the order (call its set_epoch between "
@@ -70,7 +64,7 @@ class TorchAttributes(torch_data.DataLoader[_T_co]):
 
     @timeout.setter
     def timeout(self, value: Any) -> None:
-        raise _read_only("timeout", self)
+        self._change_setting("timeout", value)
 
     worker_init_fn = _FromConfig("worker_init_fn", "Called once in each worker with its id.")
     prefetch_factor = _FromConfig("prefetch_factor", "Batches in flight per worker (None without workers).")
@@ -104,7 +98,7 @@ class TorchAttributes(torch_data.DataLoader[_T_co]):
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, value: Any) -> None:
-        raise _read_only("multiprocessing_context", self)
+        self._change_setting("multiprocessing_context", value)
 
     @property
     def pin_memory_device(self) -> str:
@@ -113,7 +107,9 @@ class TorchAttributes(torch_data.DataLoader[_T_co]):
 
     @pin_memory_device.setter
     def pin_memory_device(self, value: str) -> None:
-        raise _read_only("pin_memory_device", self)
+        if value != "":
+            raise ValueError(f"pin_memory_device={value!r}: gloader pins for the CUDA device pin_device_id names; pass "
+                             "pin_device_id= (and device= to move batches too) when building the DataLoader")
 
     @property
     def _auto_collation(self) -> bool:
@@ -135,7 +131,7 @@ class TorchAttributes(torch_data.DataLoader[_T_co]):
 
     @batch_sampler.setter
     def batch_sampler(self, value: Any) -> None:
-        raise _read_only("batch_sampler", self)
+        self._change_setting("batch_sampler", value)
 
 
 # Attributes a torch DataLoader keeps in its instance dict, which tools read through vars()

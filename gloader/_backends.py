@@ -300,7 +300,8 @@ class Workers:
     the engine (stopped first at close). Takes the arguments of the `Engine` that holds it.
     """
 
-    def __init__(self, config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], Payload]) -> None:
+    def __init__(self, config: LoaderConfig, loader_id: int,
+                 make_payload: Callable[[LoaderConfig, bool], Payload]) -> None:
         self._config = config
         self._loader_id = loader_id
         self._make_payload = make_payload
@@ -340,7 +341,8 @@ class Workers:
         if self.backend is None:
             if self._closed:
                 raise RuntimeError("this DataLoader is closed; create a new one")
-            self.backend = start(self._config, self._loader_id, self._make_payload, self.count)
+            self.backend = start(self._config, self._loader_id, functools.partial(self._make_payload, self._config),
+                                 self.count)
             self.slots = self.backend.slots
             self.exits_seen = -1  # a shared pool's deaths before this loader joined: looked for once
             if self.tuner is not None:

@@ -86,12 +86,14 @@ class Engine:
     Args:
         config: the loader's checked arguments.
         loader_id: the loader's id in the workers' registry.
-        make_payload: `make_payload(pickled)` -> what the workers register.
+        make_payload: `make_payload(config, pickled)` -> what the workers register.
     """
 
-    def __init__(self, config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], Payload]) -> None:
+    def __init__(self, config: LoaderConfig, loader_id: int,
+                 make_payload: Callable[[LoaderConfig, bool], Payload]) -> None:
         self._config = config
         self._loader_id = loader_id
+        self._make_payload = make_payload
         self.workers = Workers(config, loader_id, make_payload)
         self.tuner = self.workers.tuner  # num_workers='auto' on the loader's own pool, else None
         self.tasks = TaskWindow()  # in flight, in dispatch order (and those discarded)
@@ -302,6 +304,15 @@ class Engine:
             self._held = None  # its epoch ends with these workers
         self.workers.stop(self.tasks.drain, prompt)
         self.tasks.discarded = []
+
+    def reconfigure(self, config: LoaderConfig) -> None:
+        """Load with `config` from the next `fill`: the workers started with the settings before
+        stop (their batches in flight go with them), and new ones start as `config` says."""
+        self.workers.close(self.stop_workers)
+        self._config = config
+        self.workers = Workers(config, self._loader_id, self._make_payload)
+        self.tuner = self.workers.tuner
+        self.shards = config.num_workers or 1
 
     def close(self) -> None:
         """Stop the pin thread, then the workers, for good (see `Workers.close`)."""

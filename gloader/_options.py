@@ -38,7 +38,7 @@ from .batchify import EachSample, default_batchify_fn
 from .dataset import IterableDataset
 from .sampler import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler, dataset_length
 
-__all__ = ["LoaderConfig", "PoolLike", "warn_if_every_rank_loads_everything"]
+__all__ = ["LoaderConfig", "PoolLike", "ReadOnlyAttributeError", "warn_if_every_rank_loads_everything"]
 
 # num_workers above this many per CPU draws a warning at construction. Higher: fewer warnings
 # for deliberately oversubscribed I/O-bound loading; lower: earlier notice of contention.
@@ -127,6 +127,8 @@ class LoaderConfig:
     budgets_shared: tuple[bool, bool] = (False, False)
     # The most workers the loader's pool may be resized to (num_workers unless it tunes them).
     most_workers: int = 0
+    # The DataLoader's arguments as given, by name: what `with_setting` builds the config again from.
+    arguments: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def tunes_workers(self) -> bool:
@@ -162,10 +164,31 @@ class LoaderConfig:
         """torch's name: batches in flight per worker (None without workers)."""
         return self.prefetch // self.num_workers if self.num_workers else None
 
+    def with_setting(self, name: str, value: Any) -> LoaderConfig:
+        """The config after `loader.<name> = value`, for an attribute of torch's that torch lets
+        code set after construction (Lightning sets `worker_init_fn`), checked as the argument of
+        that name is: the batches (dataset, sampler, batch size) stay as they are, a torch name
+        replaces its Gluon twin given at construction.
+
+        Raises:
+            AttributeError, ValueError: for one torch refuses too (`_READ_ONLY`, naming it); TypeError,
+                ValueError: for a value the argument does not allow.
+        """
+        if name not in _SETTABLE:
+            raise ReadOnlyAttributeError(f"DataLoader.{name} cannot be set after the DataLoader is built ("
+                                          f"{_READ_ONLY.get(name, _GLOADERS_OWN)}); build a new DataLoader to change "
+                                          "it")
+        given = {**self.arguments, name: value, **_SETTABLE[name]}
+        if name == "num_workers" and value == 0:  # what only workers use is dropped, not refused
+            given.update(_WORKERS_ONLY)
+        return LoaderConfig.build(given, batches=self)
+
     @classmethod
-    def build(cls, given: dict[str, Any]) -> LoaderConfig:
+    def build(cls, given: dict[str, Any], batches: LoaderConfig | None = None) -> LoaderConfig:
         """Check every DataLoader argument (`given`: each by its name in the signature) and their
-        combinations; torch's names are merged into Gluon's.
+        combinations; torch's names are merged into Gluon's. With `batches`, a config built
+        before, its batch sampler (or stream) is kept as it is, with the batchify function of
+        `given`.
 
         Raises:
             TypeError, ValueError: naming the argument, the value given and what is allowed.
@@ -196,8 +219,8 @@ class LoaderConfig:
         base_seed = given_seed  # None: drawn at the first iter(), where torch draws (see `_serving`)
         pin_id = check_pin_device(checked["pin_memory"], given["pin_device_id"])
         batchify_fn = check_callable("batchify_fn", batchify_fn)
-        plan = _plan_batches(dataset, given["batch_size"], given["shuffle"], sampler, last_batch, batch_sampler,
-                             base_seed, batchify_fn)
+        plan = (_plan_batches(dataset, given["batch_size"], given["shuffle"], sampler, last_batch, batch_sampler,
+                              base_seed, batchify_fn) if batches is None else _kept_batches(batches, batchify_fn))
         thread = check_flag("thread_pool", thread_pool)
         if thread and workers > 1 and is_datapipe(dataset):
             raise ValueError(f"a torch IterDataPipe allows one iterator at a time, and thread workers share one "
@@ -221,7 +244,38 @@ class LoaderConfig:
                    own_shuffle=bool(given["shuffle"]) and sampler is None and batch_sampler is None
                    and plan.stream is None,
                    fetch_threads=fetch, workers_chosen=chosen, cpu_budget=budget[0], memory_budget=budget[1],
-                   budgets_shared=(cpu_budget is None, memory_budget is None), most_workers=most)
+                   budgets_shared=(cpu_budget is None, memory_budget is None), most_workers=most, arguments=given)
+
+
+# torch's attributes that torch lets code set after construction, each with the Gluon twins
+# that the torch name replaces (a twin given at construction would clash with the new value).
+_SETTABLE: dict[str, dict[str, Any]] = {
+    "num_workers": {}, "pin_memory": {}, "timeout": {}, "worker_init_fn": {}, "generator": {},
+    "in_order": {}, "collate_fn": {"batchify_fn": None}, "prefetch_factor": {"prefetch": None},
+    "multiprocessing_context": {"start_method": None},
+}
+# The arguments that mean something only with workers (see _check_worker_options).
+_WORKERS_ONLY = {"prefetch_factor": None, "multiprocessing_context": None, "start_method": None,
+                 "persistent_workers": None, "fetch_threads": None, "prefetch": None}
+# What torch refuses to set after construction (its words: they decide the batches), and why.
+_READ_ONLY = {name: "it decides the batches: torch refuses it too" for name in
+              ("dataset", "batch_size", "batch_sampler", "sampler", "drop_last")}
+_READ_ONLY["persistent_workers"] = "torch refuses it too"
+_GLOADERS_OWN = "gloader's own arguments are set at construction"
+
+
+class ReadOnlyAttributeError(AttributeError, ValueError):
+    """Setting a loader attribute that cannot change: an AttributeError, and a ValueError, as
+    torch's DataLoader raises for `batch_size`, `sampler`, `dataset` and the like, so code
+    catching either works."""
+
+
+def _kept_batches(config: LoaderConfig, batchify_fn: Any) -> _BatchPlan:
+    """The batches of `config` as they are, with `batchify_fn` (None: the default)."""
+    unbatched = isinstance(config.batchify_fn, EachSample)
+    fn = EachSample(batchify_fn) if unbatched else (batchify_fn or default_batchify_fn)
+    return _BatchPlan(config.batch_sampler, config.stream, fn, config.batch_size, config.sampler, config.drop_last,
+                      config.stream_batches)
 
 
 def _one_of(gluon_name: str, gluon_value: Any, torch_name: str, torch_value: Any) -> Any:

@@ -47,6 +47,20 @@ class Serving:
         self._iterated = False  # iter() was called: torch's persistent workers draw no new base seed after
         self.reported_samples: int | None = None  # a stream's len(dataset), once len(loader) was taken
 
+    @property
+    def config(self) -> LoaderConfig:
+        """The settings the epochs are served with."""
+        return self._options
+
+    def reconfigure(self, config: LoaderConfig) -> None:
+        """Serve from now on with `config` (attributes set since the last iter()): the current
+        iterator ends, workers started with the settings before stop, and the epoch opened ahead
+        from them opens again."""
+        self.end("an attribute of the DataLoader was set")
+        self._engine.reconfigure(config)
+        self._schedule.rewind_upcoming()
+        self._options = config
+
     def iterate(self, stats: PipelineStats, device: DevicePipeline | None) -> EpochIterator:
         """The iterator of the epoch that iter(loader) serves now: the next one, or after a
         probe (an iterator dropped before its first batch) the probe's."""

@@ -136,7 +136,7 @@ class DataLoader(TorchAttributes[_T_co]):
         self._schedule = Schedule(config.batch_sampler, config.stream, config.base_seed, config.lookahead,
                                   functools.partial(draw_base_seed, config.generator),
                                   config.sampler if config.own_shuffle else None)
-        self._engine = Engine(config, self._id, functools.partial(_make_payload, config, self._schedule))
+        self._engine = Engine(config, self._id, functools.partial(_make_payload, schedule=self._schedule))
         self._serving = Serving(config, self._schedule, self._engine)
         self._finalizer = weakref.finalize(self, _close_unreferenced, self._engine, self._serving.latest)
         self._device = DevicePipeline(config.device) if config.device is not None else None
@@ -154,7 +154,19 @@ class DataLoader(TorchAttributes[_T_co]):
         if self._closed:
             raise RuntimeError("this DataLoader is closed; create a new one")
         warn_if_every_rank_loads_everything(self._options)
+        if self._serving.config is not self._options:  # an attribute was set since the last iter()
+            self._serving.reconfigure(self._options)
         return self._serving.iterate(self._stats, self._device)
+
+    def _change_setting(self, name: str, value: Any) -> None:
+        """`loader.<name> = value`, for the attributes torch lets code set after construction
+        (Lightning sets `worker_init_fn`): checked now, used from the next iter() on (see
+        `LoaderConfig.with_setting`)."""
+        self._options = self._options.with_setting(name, value)
+        if name in IN_VARS:
+            self.__dict__[name] = value  # as given, as at construction
+        if name == "pin_memory" and self._options.pin_memory:
+            warn_if_cannot_pin()
 
     def __len__(self) -> int:
         return self._serving.length()
@@ -267,7 +279,7 @@ class DataLoader(TorchAttributes[_T_co]):
         return f"DataLoader(id={self._id}, {kind}, prefetch={opts.prefetch}, {'closed' if self._closed else 'open'})"
 
 
-def _make_payload(config: LoaderConfig, schedule: Schedule, pickled: bool) -> Any:
+def _make_payload(config: LoaderConfig, pickled: bool, *, schedule: Schedule) -> Any:
     """What the workers register for this loader (see `_payload`)."""
     payload = build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, pickled)
     payload.fetch_threads = config.fetch_threads

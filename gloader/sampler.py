@@ -251,9 +251,17 @@ class BatchSampler(Sampler, torch_data.BatchSampler):
         self._loader_owned = False  # built by a DataLoader, which draws through _batches/_index_batches
 
     @property
-    def sampler(self) -> Any:  # type: ignore[override]  # read-only here; an attribute in torch's
-        """The sampler whose indices this one groups."""
+    def sampler(self) -> Any:  # a property here, an attribute in torch's
+        """The sampler whose indices this one groups; settable, as torch's attribute is
+        (Accelerate's `use_seedable_sampler` puts its own in): the next epoch draws from it."""
         return self._sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Any) -> None:
+        if not hasattr(sampler, "__iter__"):
+            raise TypeError(f"sampler must be an iterable of sample keys (a Sampler, a list of indices), got "
+                            f"{sampler!r:.80}")
+        self._sampler = sampler
 
     @property
     def batch_size(self) -> int:  # type: ignore[override]  # read-only here; an attribute in torch's

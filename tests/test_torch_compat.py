@@ -18,7 +18,7 @@ from gloader.sampler import DistributedSampler
 from tests import _data
 
 
-def test_torch_attributes_are_readable_and_read_only() -> None:
+def test_torch_attributes_are_readable_and_those_that_decide_the_batches_read_only() -> None:
     data = np.arange(10)
     with DataLoader(data, batch_size=4, shuffle=True, drop_last=True, num_workers=2, prefetch_factor=3,
                     timeout=30) as loader:
@@ -30,8 +30,58 @@ def test_torch_attributes_are_readable_and_read_only() -> None:
         assert len(loader) == 2
         for name in ("batch_size", "sampler", "batch_sampler", "drop_last", "dataset"):  # torch's test_invalid_assign_after_init
             for error in (AttributeError, ValueError):  # torch raises ValueError; Python's convention is AttributeError
-                with pytest.raises(error, match=f"DataLoader.{name} is read-only"):
+                with pytest.raises(error, match=f"DataLoader.{name} cannot be set after the DataLoader is built"):
                     setattr(loader, name, {})
+        for name in ("persistent_workers", "seed", "device", "thread_pool"):  # torch refuses the first; gloader's own
+            with pytest.raises(AttributeError, match=f"DataLoader.{name} cannot be set"):
+                setattr(loader, name, None)
+        assert len(loader) == 2 and loader.batch_size == 4  # nothing changed
+
+
+def test_attributes_torch_lets_code_set_load_from_the_next_iter() -> None:
+    """Lightning's `seed_everything(workers=True)` sets `loader.worker_init_fn` on the loader it
+    is given (its CLI does by default), and torch lets code set every attribute but the six that
+    decide the batches. Each takes effect from the next iter(); the epoch in progress goes on
+    with the settings it began with; a bad value fails at the assignment, naming it."""
+    with DataLoader(_data.InitRecorder(), batch_size=8, num_workers=2, seed=3) as loader:
+        it = iter(loader)
+        first = next(it)
+        assert (first[:, 0] == -1).all()  # no worker_init_fn yet
+        before = set(loader.worker_pids())
+        loader.worker_init_fn = _data.record_init
+        assert loader.worker_init_fn is _data.record_init and vars(loader)["worker_init_fn"] is _data.record_init
+        assert (next(it)[:, 0] == -1).all()  # the epoch in progress keeps its workers
+        batches = list(loader)  # a new iter(): new workers, each ran worker_init_fn
+        assert len(batches) == 4 and all(set(b[:, 0].tolist()) <= {0, 1} for b in batches)
+        assert not before & set(loader.worker_pids())
+        loader.collate_fn = _data.sum_batchify
+        loader.timeout = 30
+        loader.prefetch_factor = 1
+        assert loader.timeout == 30.0 and loader.prefetch_factor == 1
+        assert [b.shape for b in loader] == [(1, 2)] * 4
+        loader.num_workers = 0
+        assert [b.shape for b in loader] == [(1, 2)] * 4 and loader.worker_pids() == []
+        for name, value, match in (("num_workers", -1, "num_workers must be"), ("timeout", 0, "timeout"),
+                                   ("worker_init_fn", 3, "worker_init_fn must be callable"),
+                                   ("prefetch_factor", 2, "prefetch_factor=2 needs worker processes")):
+            with pytest.raises((TypeError, ValueError), match=match):
+                setattr(loader, name, value)
+        assert loader.num_workers == 0 and loader.collate_fn is _data.sum_batchify  # a refused value changes nothing
+
+
+def test_a_seed_everything_fit_loads_the_same_batches_for_any_worker_count() -> None:
+    """What Lightning's `seed_everything(s, workers=True)` leaves in place, in Lightning's order:
+    the seed of torch's generator, then `loader.worker_init_fn = pl_worker_init_function`. Its
+    per-worker seeding runs in each worker once; gloader seeds each batch from (seed, epoch, batch
+    index) before loading it, so the draws in `__getitem__` are the same for any num_workers and
+    follow the seed given to seed_everything (see the migration guide)."""
+    def fit(workers: int, seed: int) -> list[list[float]]:
+        torch.manual_seed(seed)
+        with DataLoader(_data.RandomAugmented(), batch_size=4, shuffle=True, num_workers=workers) as loader:
+            loader.worker_init_fn = _data.record_init
+            return [x.flatten().tolist() for _ in range(2) for x, _ in loader]
+
+    assert fit(2, 5) == fit(1, 5) != fit(2, 6)  # in-process loading without seed= draws from the caller's generators, as torch's
 
 
 def test_set_epoch_on_loader_sampler_reaches_the_sampler_that_orders() -> None:
