@@ -64,3 +64,33 @@ def test_accelerates_seedable_sampler_goes_into_the_loaders_batch_sampler() -> N
     orders = _run(["-c", script])
     assert all(sorted(epoch) == list(range(20)) for epochs in orders for epoch in epochs)
     assert orders[0] == orders[1] and orders[0] != orders[2] and orders[0][0] != orders[0][1]
+
+
+def test_a_transformers_trainer_resumed_mid_epoch_trains_the_uninterrupted_runs_steps(tmp_path) -> None:
+    """The Trainer resumes an epoch by loading its rest in a torch DataLoader of its own (0 of 12
+    losses equal); with `LoaderStateCallback` and `ignore_data_skip=True` gloader resumes it."""
+    pytest.importorskip("transformers")
+    full = _run(["tests/trainer_scripts/hf_resume.py", str(tmp_path / "full")])
+    resumed = _run(["tests/trainer_scripts/hf_resume.py", str(tmp_path / "full"),
+                    str(tmp_path / "full" / "checkpoint-12")])  # a new process, as after a preemption
+    assert len(full) == 24 and sorted(resumed) == [str(step) for step in range(13, 25)]
+    assert [resumed[step] for step in sorted(resumed)] == [full[step] for step in sorted(resumed)]
+    assert os.path.exists(tmp_path / "full" / "checkpoint-12" / "gloader_loader_state.json")
+
+
+def test_the_trainer_callback_says_what_it_needs_before_training_begins() -> None:
+    pytest.importorskip("transformers")
+    import types
+
+    import numpy as np
+
+    from gloader import DataLoader
+    from gloader.integrations.transformers import LoaderStateCallback
+
+    state = types.SimpleNamespace(global_step=0)
+    with pytest.raises(TypeError, match="override get_train_dataloader"):
+        LoaderStateCallback().on_train_begin(types.SimpleNamespace(ignore_data_skip=True), state, None,
+                                             train_dataloader=[1, 2])
+    with DataLoader(np.arange(4)) as loader, pytest.raises(ValueError, match="ignore_data_skip=True"):
+        LoaderStateCallback().on_train_begin(types.SimpleNamespace(ignore_data_skip=False), state, None,
+                                             train_dataloader=loader)
