@@ -7,6 +7,7 @@ import math
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from gloader import bench
-from gloader.bench import cli, peers
+from gloader.bench import cli, peers, reporting, rounds, workloads
 from gloader.bench.device import report_device
 from tests.conftest import wait_until
 
@@ -73,9 +74,8 @@ def test_device_report_gives_medians_the_median_ratios_and_the_shares_of_both_ce
 
 
 def test_huggingface_workload_is_skipped_with_a_message_without_the_datasets_package(monkeypatch) -> None:
-    from gloader.bench import cli
 
-    monkeypatch.setattr(cli, "has_huggingface_datasets", lambda: False)
+    monkeypatch.setattr(workloads, "has_huggingface_datasets", lambda: False)
     results = bench.run(quick=True, rounds=1, only={"W9"})
     assert results["W9"] == {"skipped": "the datasets package is not installed (pip install datasets)"}
     assert "| W9 skipped: the datasets package is not installed" in bench.report(results)
@@ -97,9 +97,8 @@ def test_plain_getitems_workload_fetches_what_its_samples_are_and_reports_a_row(
 
 
 def test_peers_are_reported_beside_gloader_and_a_missing_tensorpack_is_skipped_with_a_message(monkeypatch) -> None:
-    from gloader.bench import cli
 
-    monkeypatch.setattr(cli, "has_tensorpack", lambda: False)
+    monkeypatch.setattr(rounds, "has_tensorpack", lambda: False)
     results = bench.run(quick=True, rounds=1, only={"W1"})
     assert results["W1"]["skipped_peers"] == {"tensorpack": "not installed (pip install tensorpack)"}
     got = results["W1"]["samples_per_s"]
@@ -159,26 +158,64 @@ def test_scaling_and_validation_gap_tables_agree_with_their_own_figures() -> Non
         assert _ratio_of_rounded(float(cell.split()[0].strip("*x")), rates[3], max(rates[:3])), cells
 
 
-def test_jpeg_folder_workload_reports_a_row_and_removes_its_files() -> None:
-    import contextlib
+def test_jpeg_folder_workload_reports_a_row_from_jpegs_written_once_into_the_cache(tmp_path, monkeypatch) -> None:
     import glob
-    import tempfile
 
     pytest.importorskip("PIL")
-    before = set(glob.glob(f"{tempfile.gettempdir()}/gloader-bench-jpegs-*"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     results: dict[str, Any] = {"rounds": 1}
-    with contextlib.ExitStack() as cleanup:
-        (work,) = cli._workloads(1, 0.1, {"W8"}, {}, cleanup)
-        dataset = work.make()
-        (folder,) = set(glob.glob(f"{tempfile.gettempdir()}/gloader-bench-jpegs-*")) - before
-        assert len(glob.glob(f"{folder}/class_*/*.jpg")) == len(dataset) >= 256
-        image, label = dataset[0]
-        assert image.shape == (3, 224, 224) and image.dtype == np.float32 and label == 0
-        results["W8"] = cli._measure_workload(work, dataset, 1, cli._Progress(len(cli._PEERS["W8"]) + 2))
-    row = next(line for line in cli.report(results).splitlines() if line.startswith("| W8 ImageFolder JPEGs"))
+    (work,) = workloads.make_workloads(1, 0.1, {"W8"}, {})
+    dataset = work.make()
+    (folder,) = glob.glob(f"{tmp_path}/gloader/bench/jpegs-*")
+    assert len(glob.glob(f"{folder}/class_*/*.jpg")) == len(dataset) >= 256
+    written = os.stat(dataset.files[0][0]).st_mtime_ns
+    assert work.make().files == dataset.files and os.stat(dataset.files[0][0]).st_mtime_ns == written  # reused
+    image, label = dataset[0]
+    assert image.shape == (3, 224, 224) and image.dtype == np.float32 and label == 0
+    results["W8"] = rounds.measure_workload(work, dataset, 1, rounds.Progress(len(workloads.PEERS["W8"]) + 2))
+    row = next(line for line in reporting.report(results).splitlines() if line.startswith("| W8 ImageFolder JPEGs"))
     cells = row.strip("|").split("|")
     assert _median(cells[1]) > 0 and _median(cells[2]) > 0
-    assert set(glob.glob(f"{tempfile.gettempdir()}/gloader-bench-jpegs-*")) == before
+
+
+@pytest.mark.timeout(120)
+def test_a_run_stopped_with_kill_leaves_nothing_in_the_temp_directory(tmp_path) -> None:
+    """A benchmark stopped with `kill` left its JPEGs (141 MB) in the temp directory; they live in
+    the cache now, and SIGTERM stops the run as Ctrl-C does: its loaders close."""
+    pytest.importorskip("PIL")
+    temp, cache = tmp_path / "temp", tmp_path / "cache"
+    temp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "gloader.bench", "--quick", "--rounds", "5", "--workloads", "W8"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(temp), "XDG_CACHE_HOME": str(cache)})
+    try:
+        for line in proc.stderr:
+            if line.startswith("[") and " left" in line:  # measuring: loaders and their workers are running
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stderr.close()
+    assert list(temp.iterdir()) == []
+    assert len(list((cache / "gloader" / "bench").iterdir())) == 1  # the JPEGs, for the next run
+
+
+def test_a_first_look_prints_each_workload_as_it_is_measured_then_the_ratios() -> None:
+    """`--quick` alone: gloader against torch on W1-W4 and W8, each table printed as it is
+    measured (stdout), the time left on each progress line (stderr), the ratios at the end."""
+    done = subprocess.run([sys.executable, "-m", "gloader.bench", "--quick", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    starts = [out.index(f"| {name} ") for name in ("W1", "W2", "W3")] + [out.index("| W4 first batch")]
+    assert starts == sorted(starts) and out.index("First look") > starts[-1]
+    assert "tensorpack" not in out and "Scaling" not in out  # torch alone beside gloader
+    summary_rows = out[out.index("First look"):].splitlines()
+    assert [row.split()[1] for row in summary_rows if row.startswith("| W")][:3] == ["W1", "W2", "W3"]
+    progress = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    assert progress and all(re.search(r"about \d+ (s|min) left$", line) for line in progress)
 
 
 def _spin_then_wait(began: Any, spun: Any, release: Any) -> None:
@@ -195,19 +232,19 @@ def test_a_turn_waits_until_the_workers_of_the_loaders_before_it_are_idle(monkey
     # A loader's turn must not share the cores with what another loader prefetched. The child
     # spins for CPU time, not wall time, and the deadline is wide: on a machine busy with other
     # programs its 0.3 s of CPU can take seconds.
-    monkeypatch.setattr(cli, "_SETTLE_DEADLINE_S", 60.0)
+    monkeypatch.setattr(rounds, "_SETTLE_DEADLINE_S", 60.0)
     # Beside other CPU-bound programs the spinning child may get under 3 ticks of a 0.1 s poll and
     # look idle: half-second polls, and idle meaning no tick at all, tell it apart there too.
-    monkeypatch.setattr(cli, "_SETTLE_POLL_S", 0.5)
-    monkeypatch.setattr(cli, "_IDLE_TICKS", 0)
+    monkeypatch.setattr(rounds, "_SETTLE_POLL_S", 0.5)
+    monkeypatch.setattr(rounds, "_IDLE_TICKS", 0)
     context = multiprocessing.get_context("fork")
     began, spun, release = context.Event(), context.Event(), context.Event()
     child = context.Process(target=_spin_then_wait, args=(began, spun, release))
     child.start()
     try:
         assert began.wait(30)
-        assert cli._children_cpu_ticks() is not None
-        cli._settle()
+        assert rounds.children_cpu_ticks() is not None
+        rounds.settle()
         assert spun.is_set()  # it waited for the child's CPU time
     finally:
         release.set()
@@ -231,11 +268,11 @@ class _CountedLoader:
 
 
 def test_every_round_builds_each_loader_anew_and_closes_it_after_its_turn() -> None:
-    # One instance per loader would carry its luck into every round (see cli._time_rounds).
+    # One instance per loader would carry its luck into every round (see rounds.time_rounds).
     log: list[str] = []
     makers = {name: (lambda name=name: _CountedLoader(log, name)) for name in ("a", "b")}
-    work = cli.Workload("T", "test", lambda: None, 1, 1, batches=3, warm=2)
-    times = cli._time_rounds(makers, work, 3, cli._Progress(6), "T")
+    work = workloads.Workload("T", "test", lambda: None, 1, 1, batches=3, warm=2)
+    times = rounds.time_rounds(makers, work, 3, rounds.Progress(6), "T")
     assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3}
     assert log == ["built a", "closed a", "built b", "closed b",  # the order turns each round
                    "built b", "closed b", "built a", "closed a",
@@ -406,7 +443,6 @@ def fonts_open() -> None:
 
 
 def test_markdown_page_and_readme_summary_come_from_one_run(fonts_open: None, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    from gloader.bench import cli
 
     readme = tmp_path / "README.md"
     readme.write_text(f"# Project\n\nbefore\n{cli.SUMMARY_START}\nan old table\n{cli.SUMMARY_END}\nafter\n")
