@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._dropped import on_drop, run_dropped
+from ._dropped import dropped, on_drop, run_dropped
 from ._math import round_up
 from ._segment import (
     ALIGN_BYTES,
@@ -276,12 +276,25 @@ class SlotPool:
         The slot is free again once each of them has come back: given back, or rebuilt and
         freed. `most`: how many batches later tasks may carry; new slots have room for that
         many (the most asked so far), so tasks of a varying size reuse the same slots."""
-        run_dropped()  # batches the caller dropped since: their slots may be free now
+        lent, room = self._lend_free(batches, most, last_try=not dropped)
+        if room and dropped:  # batches the caller dropped since: their slots may be free now
+            run_dropped()
+            lent, room = self._lend_free(batches, most, last_try=True)
+        if not room:
+            return lent
+        made = _Lendable(*create_segment(HEADER_BYTES + _capacity_for(room), register=self._register,
+                                         on_drop=on_drop))
+        with self._lock:
+            return self._adopt(made, batches)
+
+    def _lend_free(self, batches: int, most: int, last_try: bool) -> tuple[Slot | None, int]:
+        """(a free slot lent, or a probe, or None when closed; 0), or (None, the room a new slot
+        needs) when none fits; on the `last_try`, free slots too small are retired."""
         with self._lock:
             if self._closed:
-                return None
+                return None, 0
             if not self._sizes.known:
-                return self._lend_probe(batches)
+                return self._lend_probe(batches), 0
             needed = self._sizes.needed(batches, most)
             room = max(needed, self._sizes.room())
             for unfit in [free for free in self._free if free.capacity > _OVERSIZED * _capacity_for(room)]:
@@ -290,14 +303,11 @@ class SlotPool:
             for found in reversed(self._free):  # the most recently freed first: its pages are likeliest cached
                 if needed <= found.capacity:
                     self._free.remove(found)
-                    return self._lend(found, batches)
-            for small in list(self._free):  # all smaller than what is coming: replaced by bigger ones
+                    return self._lend(found, batches), 0
+            for small in list(self._free) if last_try else ():  # all smaller than what is coming: replaced
                 self._free.remove(small)
                 self._retire(small)
-        made = _Lendable(*create_segment(HEADER_BYTES + _capacity_for(room), register=self._register,
-                                                  on_drop=on_drop))
-        with self._lock:
-            return self._adopt(made, batches)
+            return None, room
 
     def _lend_probe(self, batches: int) -> Slot | None:
         """A slot for the first window, before any batch's size is known (call holding the

@@ -21,7 +21,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-__all__ = ["on_drop", "run_dropped"]
+__all__ = ["dropped", "on_drop", "run_dropped"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 # memory back sooner after the caller stops; longer: fewer wake-ups while batches are held.
 _IDLE_S = 0.1
 
-_dropped: collections.deque[weakref.ref[Any]] = collections.deque()  # appended to by the weakrefs, in C
+# The weakrefs of objects dropped whose work has not run (appended to by the weakrefs, in C):
+# true while there is work for `run_dropped`.
+dropped: collections.deque[weakref.ref[Any]] = collections.deque()
 _work: dict[int, tuple[weakref.ref[Any], Callable[..., None], tuple[Any, ...]]] = {}  # id(ref) -> what to run
 _runner: threading.Thread | None = None
 _runner_lock = threading.Lock()
@@ -39,7 +41,7 @@ def on_drop(obj: Any, fn: Callable[..., None], *args: Any) -> None:
     """Run `fn(*args)` once `obj` is garbage (`fn` must be thread-safe: it runs in whichever
     thread looks next). `fn` and `args` must not refer to `obj`."""
     global _runner
-    ref = weakref.ref(obj, _dropped.append)
+    ref = weakref.ref(obj, dropped.append)
     _work[id(ref)] = (ref, fn, args)  # keeps the weakref alive until its work has run
     with _runner_lock:  # the runner decides to end under it, after looking at _work
         if _runner is None:
@@ -49,9 +51,9 @@ def on_drop(obj: Any, fn: Callable[..., None], *args: Any) -> None:
 
 def run_dropped() -> None:
     """Run the work of the objects dropped so far."""
-    while _dropped:
+    while dropped:
         try:
-            ref = _dropped.popleft()
+            ref = dropped.popleft()
         except IndexError:  # another thread took the last one
             return
         _, fn, args = _work.pop(id(ref))
@@ -81,7 +83,7 @@ def _forget_after_fork() -> None:
     """A forked child has none of the parent's threads; the objects watched are the parent's."""
     global _runner, _runner_lock
     _work.clear()
-    _dropped.clear()
+    dropped.clear()
     _runner, _runner_lock = None, threading.Lock()
 
 
