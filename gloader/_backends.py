@@ -125,6 +125,9 @@ class InProcess:
     def timed_out(self, epoch: int, numbers: list[int]) -> None:
         pass
 
+    def why_late(self) -> str | None:
+        return None
+
     def forget(self, result: Any) -> None:
         pass
 
@@ -188,6 +191,9 @@ class OnPool:
         the worker loading it is ended (a hung worker would hold its place forever)."""
         if not self.owns_workers:
             self.core.kill_worker_loading(self._loader_id, epoch, numbers)
+
+    def why_late(self) -> str | None:
+        return None  # the pool's workers run as soon as started: a late batch is the dataset's
 
     def forget(self, result: Any) -> None:
         """A task that never finished (a dead worker's): the pool stops waiting for it."""
@@ -284,6 +290,8 @@ class Backend(Protocol):
     def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None: ...
 
     def timed_out(self, epoch: int, numbers: list[int]) -> None: ...
+
+    def why_late(self) -> str | None: ...
 
     def forget(self, result: Any) -> None: ...
 

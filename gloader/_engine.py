@@ -266,7 +266,7 @@ class Engine:
                 if elapsed < self._config.timeout_s:  # not late after all (a task whose batches come together)
                     deadline = time.monotonic() + self._config.timeout_s - elapsed
                     continue
-                raise timeout_error(job, elapsed, self._config.timeout_s)
+                raise timeout_error(job, elapsed, self._config.timeout_s, backend.why_late() if backend else None)
         return True
 
     def _check_workers(self, task: Task) -> None:

@@ -20,12 +20,14 @@ Ray is imported only when a RayPool starts its first loader: a local loader neve
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import sys
 import time
 import types
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -55,6 +57,17 @@ _TASK_TARGET_S = 0.1
 # take (the caller waits that long at most, once per batch over its timeout).
 _PROBE_GROUP = "probe"
 _PROBE_S = 5.0
+# A task waits this long for an actor Ray has not placed (started) before it goes to one that is
+# placed, and is looked at this often while it waits. Longer: fewer tasks moved from an actor
+# slow to start on a busy machine (it would run them for nothing); shorter: a cluster without
+# room for every actor costs less at the start.
+_PLACEMENT_GRACE_S = 5.0
+_PLACEMENT_LOOK_S = 1.0
+# Ray frees an ended actor's resources a moment after `ray.kill`: a loader's start looks again for
+# this long before it says its actors wait for resources held by others.
+_FREEING_S = 1.0
+# Ports of a Ray cluster's address, said in the error for an address where nothing answers.
+_RAY_PORTS = "a head node's GCS listens on 6379, a Ray client server on 10001"
 
 
 def _numpy_leaves(batch: Any) -> Any:
@@ -171,17 +184,39 @@ class RayPool:
     def __repr__(self) -> str:
         return f"RayPool(num_workers={self.num_workers}, address={self.address!r}, num_cpus={self.num_cpus:g})"
 
-    def connect(self) -> Any:
-        """The `ray` module, initialized (with this pool's address and options if it was not)."""
+    def connect(self, timeout_s: float) -> Any:
+        """The `ray` module, initialized (with this pool's address and options if it was not).
+
+        Raises:
+            ConnectionError: nothing answers at the cluster's address within `timeout_s` (ray.init
+                itself would wait for minutes), naming the address.
+        """
         import ray
 
         if not ray.is_initialized():
+            _check_reachable(self.address or os.environ.get("RAY_ADDRESS") or None, timeout_s)
             ray.init(address=self.address, **self.init_options)
         return ray
 
     def start_backend(self, config: Any, loader_id: int, make_payload: Callable[[bool], Payload]) -> OnRay:
         """Start a loader's actors (the strategy `_backends.start` returns for this pool)."""
         return OnRay(self, config, loader_id, make_payload(True))
+
+
+def _check_reachable(address: str | None, timeout_s: float) -> None:
+    """Raise ConnectionError when nothing accepts a connection at a cluster's `host:port` (or
+    `ray://host:port`) within `timeout_s`. None, 'auto' and 'local' are found by ray.init itself."""
+    if address in (None, "auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not port.isdigit():
+        return  # not host:port: ray.init says what is wrong with it
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"RayPool could not reach the Ray cluster at {address!r}: nothing answers on "
+                              f"{host}:{port} within the loader's timeout={timeout_s:g} ({exc.strerror or exc}); check "
+                              f"the address and the port ({_RAY_PORTS}) and that the head node is up") from exc
 
 
 class _RayResult:
@@ -200,9 +235,12 @@ class _RayResult:
 
     def ready(self) -> bool:
         if self._value is None:
-            done, _ = self._backend.ray.wait([self.ref], timeout=0, fetch_local=False)
+            with self._backend.connected():
+                done, _ = self._backend.ray.wait([self.ref], timeout=0, fetch_local=False)
             if done:
                 self._take()
+            else:
+                self._move_if_unplaced()
         return self._value is not None
 
     def wait(self, timeout_s: float) -> None:
@@ -211,16 +249,31 @@ class _RayResult:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            done, _ = self._backend.ray.wait([self.ref], timeout=left)
+            with self._backend.connected():
+                done, _ = self._backend.ray.wait([self.ref], timeout=min(left, _PLACEMENT_LOOK_S))
             if done:
                 self._take()
+            else:
+                self._move_if_unplaced()
+
+    def _move_if_unplaced(self) -> None:
+        """Send the task to a placed actor when its own has not been placed for long (the
+        cluster has no room for it: see `OnRay.unplaced`); it is cancelled where it waited."""
+        backend = self._backend
+        if backend.unplaced(self.worker):
+            with contextlib.suppress(Exception):  # a call Ray cannot cancel is dropped when it ends
+                backend.ray.cancel(self.ref)
+            backend.finished(self.worker)
+            self.worker, self.actor, self.ref = backend.dispatch(self._epoch, self._batches)
 
     def loading(self) -> tuple[int, list[Any]] | None:
         """The position in the task of the batch its actor is loading, when it is one of this
         task's, with the answers of the batches before it: a task's answers come back together,
         so at a deadline the caller takes in those finished (see `Task.overdue`); None when the
-        actor is not on this task or does not answer in time."""
+        actor is not on this task, is not placed yet, or does not answer in time."""
         ray = self._backend.ray
+        if self._backend.waits_for_placement(self.worker):
+            return None  # nothing can answer: the caller's deadline stands
         try:
             found = ray.get(self.actor.loading.options(concurrency_group=_PROBE_GROUP).remote(), timeout=_PROBE_S)
         except Exception:  # lost, or busy past the probe's deadline: the batch waited for is the late one
@@ -242,7 +295,8 @@ class _RayResult:
         backend = self._backend
         ray = backend.ray
         try:
-            answers = ray.get(self.ref)
+            with backend.connected():
+                answers = ray.get(self.ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError,
                 ray.exceptions.NodeDiedError) as exc:
             backend.lost(self.worker, self.actor, exc)
@@ -262,15 +316,44 @@ class _RayResult:
         self._on_ready(None)
 
 
-def _warn_if_too_small(ray: Any, pool: RayPool) -> None:
-    """Warn when the cluster has fewer CPUs than the pool's actors reserve: the others wait for
-    room (an autoscaler may add it), and the loader runs on those Ray could place."""
-    cpus = ray.cluster_resources().get("CPU", 0.0)
-    wanted = pool.num_cpus * pool.num_workers
+def _resources_each(pool: RayPool) -> dict[str, float]:
+    """What each actor of the pool reserves."""
+    return {"CPU": pool.num_cpus, **pool.resources}
+
+
+def _fitting(needed: dict[str, float], available: dict[str, float]) -> int:
+    """How many actors each needing `needed` fit in `available` (resources a cluster lists)."""
+    return min(int(available.get(name, 0.0) // amount) for name, amount in needed.items() if amount > 0)
+
+
+def _warn_if_no_room(ray: Any, pool: RayPool, timeout_s: float) -> None:
+    """Say at once when the pool's actors cannot all be placed: the cluster is smaller than they
+    need, or other actors (another loader's) hold what they need. Those that do not fit wait
+    for room (an autoscaler may add it, or the other actors may end), and the loader runs on
+    the others; while none is placed, a batch fails at its timeout, saying so."""
+    needed = _resources_each(pool)
+    total, available = ray.cluster_resources(), ray.available_resources()
+    cpus, wanted = total.get("CPU", 0.0), pool.num_cpus * pool.num_workers
     if wanted > cpus:
         warnings.warn(f"{pool!r} reserves {wanted:g} CPUs (num_cpus={pool.num_cpus:g} per actor) and the Ray cluster "
                       f"has {cpus:g}: actors that do not fit wait for room, and the loader runs on the others; "
-                      "lower num_cpus or num_workers, or add nodes", RuntimeWarning, stacklevel=6)
+                      "lower num_cpus or num_workers, or add nodes", RuntimeWarning, stacklevel=7)
+        return
+    deadline = time.monotonic() + min(_FREEING_S, timeout_s / 4)  # actors just ended (a loader closed) free theirs a moment later
+    while _fitting(needed, available) < pool.num_workers and time.monotonic() < deadline:
+        time.sleep(0.05)
+        available = ray.available_resources()
+    waiting = pool.num_workers - _fitting(needed, available)
+    if waiting > 0:
+        warnings.warn(f"{pool!r}: {waiting} of its {pool.num_workers} Ray actors wait for resources: each needs "
+                      f"{needed}, and the cluster has {_amounts(available, needed)} available of "
+                      f"{_amounts(total, needed)} (other actors hold the rest, another loader's on this pool too); "
+                      "they start once it is free, and until one has, a batch fails at the loader's timeout",
+                      RuntimeWarning, stacklevel=7)
+
+
+def _amounts(resources: dict[str, float], names: dict[str, float]) -> dict[str, float]:
+    return {name: resources.get(name, 0.0) for name in names}
 
 
 def _viewing_tensor(leaf: Any) -> Any:
@@ -303,11 +386,11 @@ class OnRay:
     task_target_s = _TASK_TARGET_S
 
     def __init__(self, pool: RayPool, config: Any, loader_id: int, payload: Payload) -> None:
-        self.ray = pool.connect()
+        self.ray = pool.connect(config.timeout_s)
+        self._driver = self.ray.get_runtime_context().get_worker_id()  # this session's: see `connected`
         self._pool = pool
         self._loader_id = loader_id
         self.count = pool.num_workers
-        self._timeout_s = config.timeout_s
         # Actors hold a copy of the dataset; torch's persistent workers keep theirs.
         self.copies_dataset = not config.persistent_workers
         self._payload = self.ray.put(payload)
@@ -316,10 +399,11 @@ class OnRay:
                                    **({"resources": pool.resources} if pool.resources else {}), **pool.actor_options}
         self._actor_class = self.ray.remote(**options)(RayWorker)
         self._pending: dict[int, Any] = {}  # worker id -> its actor's ready() while Ray has not placed it
+        _warn_if_no_room(self.ray, pool, config.timeout_s)
+        self._started = time.monotonic()
         self._actors: list[Any] = [self._start(worker) for worker in range(self.count)]
         self._loads = [0] * self.count  # tasks in flight per worker id
         self._next = 0
-        _warn_if_too_small(self.ray, pool)
 
     def _start(self, worker: int) -> Any:
         actor = self._actor_class.remote(self._loader_id, self._payload, worker, self.count, sys.path)
@@ -328,22 +412,69 @@ class OnRay:
 
     def dispatch(self, epoch: int, batches: tuple[tuple[int, int, Any], ...]) -> tuple[int, Any, Any]:
         """Send a task to a placed worker with the fewest in flight (in turn among equals); to
-        one Ray has not placed yet (its calls wait for it) only when none is placed."""
-        if self._pending:
-            refs = list(self._pending.values())
-            # While none is placed (the loader's start), wait for the first, up to the timeout.
-            wait_s = self._timeout_s if len(refs) == self.count else 0
-            placed, _ = self.ray.wait(refs, num_returns=1 if wait_s else len(refs), timeout=wait_s, fetch_local=False)
-            if wait_s and placed:
-                placed, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-            for worker in [worker for worker, ref in self._pending.items() if ref in placed]:
-                del self._pending[worker]
+        one Ray has not placed yet (its calls wait for it) only when none is placed. Never waits:
+        while none is placed, a batch fails at its own timeout, saying why (see `why_late`)."""
+        self._look_for_placed()
         order = [(self._next + offset) % self.count for offset in range(self.count)]
         worker = min(order, key=lambda worker: (worker in self._pending, self._loads[worker]))
         self._next = (worker + 1) % self.count
         self._loads[worker] += 1
         actor = self._actors[worker]
-        return worker, actor, actor.run.remote(epoch, batches)
+        with self.connected():
+            return worker, actor, actor.run.remote(epoch, batches)
+
+    def _look_for_placed(self) -> None:
+        if self._pending:
+            refs = list(self._pending.values())
+            with self.connected():
+                placed, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            for worker in [worker for worker, ref in self._pending.items() if ref in placed]:
+                del self._pending[worker]
+
+    def waits_for_placement(self, worker: int) -> bool:
+        """Whether Ray has not yet placed (started) the actor of `worker`."""
+        self._look_for_placed()
+        return worker in self._pending
+
+    def unplaced(self, worker: int) -> bool:
+        """Whether the actor of `worker` has waited to be placed past _PLACEMENT_GRACE_S while
+        another is placed: its tasks go to those."""
+        return (time.monotonic() - self._started > _PLACEMENT_GRACE_S and self.waits_for_placement(worker)
+                and len(self._pending) < self.count)
+
+    def why_late(self) -> str | None:
+        """What a batch over its timeout was waiting for, when it is not the dataset: actors Ray
+        has not placed for want of resources."""
+        self._look_for_placed()
+        if not self._pending:
+            return None
+        needed = _resources_each(self._pool)
+        return (f"{len(self._pending)} of its {self.count} Ray actors still wait for resources (each needs {needed}; "
+                f"the cluster has {_amounts(self.ray.available_resources(), needed)} available): other actors hold "
+                "them, another loader's on the same RayPool too; close those, lower num_cpus or add nodes")
+
+    @contextlib.contextmanager
+    def connected(self) -> Iterator[None]:
+        """Ray calls made while Ray was shut down underneath (`ray.shutdown()` by the program, or
+        a shut down and a new start) raise WorkerExitedError saying so, before Ray starts anew on
+        its own (a remote call does): the loader's actors are gone, and the next iter() starts new
+        ones on the Ray that is initialized then."""
+        self._check_session()
+        try:
+            yield
+        except Exception as exc:
+            self._check_session(exc)
+            raise
+
+    def _same_session(self) -> bool:
+        return bool(self.ray.is_initialized()) and self.ray.get_runtime_context().get_worker_id() == self._driver
+
+    def _check_session(self, cause: BaseException | None = None) -> None:
+        if self._same_session():
+            return
+        raise WorkerExitedError("Ray was shut down (ray.shutdown()) while this loader's actors ran: they are gone, "
+                                "and so are the batches they held; a new iter() starts new actors once Ray is "
+                                "initialized again (the RayPool initializes it when it is not)") from cause
 
     def finished(self, worker: int) -> None:
         self._loads[worker] = max(0, self._loads[worker] - 1)
@@ -387,6 +518,8 @@ class OnRay:
 
     def close(self, drain: Callable[[float], None], prompt: bool = False) -> None:
         actors, self._actors = self._actors, []
+        if not self._same_session():
+            return  # Ray was shut down: the actors went with it (and a call now would start Ray anew)
         for actor in actors:
             try:
                 self.ray.kill(actor, no_restart=True)

@@ -168,12 +168,13 @@ class Task:
         return self.has_next
 
 
-def timeout_error(job: Job, elapsed: float, timeout_s: float) -> BatchTimeoutError:
-    """The error of a batch over the loader's timeout."""
+def timeout_error(job: Job, elapsed: float, timeout_s: float, why: str | None = None) -> BatchTimeoutError:
+    """The error of a batch over the loader's timeout; `why`: what it waited for, when the
+    workers know (actors not placed), else the likely causes are said."""
     return BatchTimeoutError(f"DataLoader timed out after {timeout_s:g} seconds: batch {job.number} of epoch "
                              f"{job.epoch}{describe_keys(job)} took more than {elapsed:.1f} s, the loader's "
-                             f"timeout={timeout_s:g}; raise timeout= if batches are legitimately slow, or look for a "
-                             "hang in the dataset")
+                             f"timeout={timeout_s:g}; " + (why or "raise timeout= if batches are legitimately slow, "
+                                                                  "or look for a hang in the dataset"))
 
 
 class TaskWindow(collections.deque[Task]):

@@ -398,3 +398,52 @@ def test_the_receive_benchmark_prints_a_row_per_worker_count_and_names_bad_count
         with pytest.raises(SystemExit):
             receive.main(["--workers", bad])
         assert f"--workers takes worker counts >= 1 separated by commas, got {bad!r}" in capsys.readouterr().err
+
+
+def test_a_loader_whose_actors_cannot_be_placed_says_so_at_once_and_waits_no_longer_than_its_timeout() -> None:
+    """The first loader's actors hold the instance's 4 CPUs; a second loader on the same pool
+    waited 5.6x its timeout in silence, then blamed the dataset."""
+    pool = RayPool(2, num_cpus=2)
+    with DataLoader(Draws(), batch_size=4, pool=pool) as first:
+        next(iter(first))  # its actors are placed and hold every CPU
+        with DataLoader(Draws(), batch_size=4, pool=pool, timeout=4) as second:
+            started = time.monotonic()
+            with pytest.warns(RuntimeWarning, match=r"2 of its 2 Ray actors wait for resources: each needs \{'CPU': 2\.0\}"):
+                with pytest.raises(BatchTimeoutError, match="2 of its 2 Ray actors still wait for resources"):
+                    next(iter(second))
+            assert time.monotonic() - started < 3 * 4  # was 5.6x the timeout
+
+
+def test_ray_shut_down_under_an_open_loader_is_named_and_a_new_iter_starts_again_when_ray_is_back() -> None:
+    with DataLoader(Draws(), batch_size=4, pool=_pool(2)) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        ray.shutdown()
+        try:
+            with pytest.raises(gloader.WorkerExitedError, match=r"Ray was shut down \(ray.shutdown\(\)\)"):
+                next(iterator)
+        finally:  # the module's instance, as the fixture made it
+            ray.init(num_cpus=4, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, _system_config=RAY_WORKERS_NOT_NICED)
+        assert len(list(loader)) == 13  # a new iter(): new actors on the Ray that is back
+
+
+def test_an_address_where_nothing_listens_fails_within_the_timeout_naming_it() -> None:
+    """A mistyped port or a head that is down: ray.init blocked for over 7 minutes."""
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = (f"import time, gloader, numpy as np\n"
+            f"loader = gloader.DataLoader(np.arange(8), pool=gloader.RayPool(1, address='127.0.0.1:{port}'), timeout=5)\n"
+            "started = time.monotonic()\n"
+            "try:\n"
+            "    next(iter(loader))\n"
+            "except ConnectionError as exc:\n"
+            "    print(round(time.monotonic() - started), exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd(), "RAY_ADDRESS": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    seconds, message = out.stdout.strip().split(" ", 1)
+    assert int(seconds) <= 10 and f"127.0.0.1:{port}" in message and "nothing answers" in message
