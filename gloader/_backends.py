@@ -95,7 +95,8 @@ class InProcess:
     def __init__(self, config: LoaderConfig, payload: Payload) -> None:
         self._registration = Registration(dataset=payload.parts[0], batchify_fn=payload.parts[1],
                                           base_seed=payload.base_seed)
-        self._state = WorkerState.in_process(_seeded_preserving_caller if config.seed is not None else _unseeded)
+        seeded = config.seed is not None
+        self._state = WorkerState.in_process(_seeded_preserving_caller if seeded else _unseeded, seeded)
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None]) -> _Deferred:
         loader_id, epoch, batches = args[:3]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol
 from . import _registry
 from ._datapipes import begin_datapipe_epoch, is_datapipe
 from ._plans import build_planned, plan_batch
-from ._protocol import Loaded, ShardEnd, StreamRequest, decode_keys
+from ._protocol import Loaded, Placed, ShardEnd, StreamRequest, decode_keys
 from ._rows import load_rows
 from ._seed import derive_sample_seed
 from ._tree import arrays_to_tensors
@@ -185,17 +185,19 @@ class Fetcher:
         return self._climb.count if self._climb is not None else self._most
 
     def fetch(self, load: Callable[[Any], Any], keys: list[Any], info: tuple[int, int, int, Any],
-              cursor: Cursor) -> list[Any]:
+              cursor: Cursor, first_place: int = 0) -> list[Any]:
         """The samples of `keys`, in order; raises what the first failing sample raised
-        (`cursor.key` names it), after every thread has finished."""
+        (`cursor.key` names it), after every thread has finished. Sample `i`'s seed derives
+        from `info`'s seed and `first_place + i`."""
         count = self.used = min(self.count, len(keys))
         started = time.monotonic()
         if count <= 1:
-            results = [_fetch_group(load, keys, info, 0, 1)]
+            results = [_fetch_group(load, keys, info, 0, 1, first_place)]
         else:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(self._most, "gloader-fetch")
-            futures = [self._executor.submit(_fetch_group, load, keys, info, first, count) for first in range(count)]
+            futures = [self._executor.submit(_fetch_group, load, keys, info, first, count, first_place)
+                       for first in range(count)]
             results = [future.result() for future in futures]
         samples: list[Any] = [None] * len(keys)
         failed: tuple[int, BaseException] | None = None
@@ -219,14 +221,15 @@ class Fetcher:
 
 
 def _fetch_group(load: Callable[[Any], Any], keys: list[Any], info: tuple[int, int, int, Any], first: int,
-                 step: int) -> tuple[list[Any], tuple[int, BaseException] | None]:
+                 step: int, first_place: int = 0) -> tuple[list[Any], tuple[int, BaseException] | None]:
     """Fetch keys[first::step] in turn, each with its own seed: (the samples, (position, error)
     of the first that raised, or None)."""
     worker_id, num_workers, seed, dataset = info
     taken: list[Any] = []
     try:
         for position in range(first, len(keys), step):
-            _registry.set_current_info((worker_id, num_workers, derive_sample_seed(seed, position), dataset))
+            _registry.set_current_info((worker_id, num_workers, derive_sample_seed(seed, first_place + position),
+                                        dataset))
             try:
                 taken.append(load(keys[position]))
             except BaseException as exc:
@@ -234,6 +237,35 @@ def _fetch_group(load: Callable[[Any], Any], keys: list[Any], info: tuple[int, i
     finally:
         _registry.set_current_info(None)
     return taken, None
+
+
+def _fetch_placed(registration: Any, work: Placed, info: tuple[int, int, int, Any],
+                  reseed: Callable[[int], None] | None, cursor: Cursor) -> list[Any]:
+    """The samples of a placed batch, each seeded from its place in the epoch's order: its
+    `get_worker_info()` seed and rng, and (`reseed`) the process-wide generators. One
+    `__getitem__` a sample (a batched `__getitems__` could not seed each)."""
+    keys = decode_keys(work.keys)
+    worker_id, num_workers, _, dataset = info
+    if registration.fetch_threads is not None and keys:
+        if registration.fetcher is None:
+            registration.fetcher = Fetcher(registration.fetch_threads)
+        fetched: list[Any] = registration.fetcher.fetch(dataset.__getitem__, keys,
+                                                        (worker_id, num_workers, work.epoch_seed, dataset), cursor,
+                                                        work.first)  # its threads share the process-wide generators
+        return fetched
+    samples: list[Any] = []
+    try:
+        for position, key in enumerate(keys, work.first):
+            cursor.key = key
+            seed = derive_sample_seed(work.epoch_seed, position)
+            if reseed is not None:
+                reseed(seed)
+            _registry.set_current_info((worker_id, num_workers, seed, dataset))
+            samples.append(dataset[key])
+    finally:
+        _registry.set_current_info(info)  # the batch's own, for batchify
+    cursor.key = None
+    return samples
 
 
 def _fetch_samples(dataset: Any, keys: list[Any], cursor: Cursor) -> list[Any]:
@@ -284,9 +316,12 @@ def _next_shard_samples(streams: dict[int, tuple[int, Any]], loader_id: int, epo
 
 def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: SlotSpace | None, writer: BatchWriter,
                streams: dict[int, tuple[int, Any]], worker_id: int, cursor: Cursor,
-               info: tuple[int, int, int, Any] | None = None) -> Loaded | ShardEnd:
+               info: tuple[int, int, int, Any] | None = None,
+               reseed: Callable[[int], None] | None = None) -> Loaded | ShardEnd:
     """Load one batch of a registered loader: its samples by key, or a stream's next ones.
-    `info`: the batch's (worker id, num_workers, seed, dataset), for fetch_threads.
+    `info`: the batch's (worker id, num_workers, seed, dataset), for fetch_threads and placed
+    batches; `reseed(seed)` seeds the process-wide generators before each sample of a placed
+    batch (None where the worker does not own them: threads).
 
     Raises whatever the dataset or the batchify function raises; `cursor.key` then names the
     sample being fetched (None when batchify failed).
@@ -298,6 +333,8 @@ def load_batch(registration: Any, loader_id: int, epoch: int, work: Any, space: 
         if found is None or (len(found) < work.batch_size and not work.keep_last):
             return ShardEnd(worker_id)
         samples = found
+    elif isinstance(work, Placed):
+        samples = _fetch_placed(registration, work, info or (worker_id, 0, 0, registration.dataset), reseed, cursor)
     else:
         keys = decode_keys(work)
         dataset = registration.dataset

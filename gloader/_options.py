@@ -415,7 +415,8 @@ def warn_if_every_rank_loads_everything(config: LoaderConfig) -> None:
         return
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2:
         return
-    if not isinstance(config.sampler, (DistributedSampler, torch.utils.data.DistributedSampler)):
+    sharded = getattr(config.batch_sampler, "num_replicas", 1) > 1  # a DistributedBatchSampler, say
+    if not sharded and not isinstance(config.sampler, (DistributedSampler, torch.utils.data.DistributedSampler)):
         _WARNED.add("distributed")
         warnings.warn(f"torch.distributed runs {torch.distributed.get_world_size()} ranks, but this DataLoader's "
                       "sampler is not distributed, so every rank loads the whole dataset; pass "

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
-__all__ = ["EPOCH_ENDING_ERRORS", "SharedMemoryUnreachableError", "BatchTimeoutError", "Job", "Loaded", "ShardEnd", "StreamRequest", "WorkerExitedError", "WorkerFailure",
+__all__ = ["EPOCH_ENDING_ERRORS", "SharedMemoryUnreachableError", "BatchTimeoutError", "Job", "Loaded", "Placed", "ShardEnd", "StreamRequest", "WorkerExitedError", "WorkerFailure",
            "decode", "decode_answer", "decode_answers", "decode_keys", "encode", "encode_answers", "encode_keys"]
 
 
@@ -50,6 +50,17 @@ class StreamRequest(NamedTuple):
 
     batch_size: int
     keep_last: bool
+
+
+class Placed(NamedTuple):
+    """The work of a batch whose samples are seeded by their place in the epoch's global order
+    (the samplers of `_elastic`): its keys (as `encode_keys` made them), the place of its first
+    sample, and the epoch's seed. Sample `j` is seeded from (epoch seed, first + j), whichever
+    rank, worker or batch it lands in."""
+
+    keys: Any
+    first: int
+    epoch_seed: int
 
 
 class Loaded(NamedTuple):

@@ -8,6 +8,8 @@ Runs in the caller's process; the flow is drawn in `_engine`.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
 import itertools
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
@@ -15,18 +17,25 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ._checks import is_int
-from ._protocol import Job, StreamRequest, encode_keys
-from ._seed import derive_batch_seed, draw_base_seed
+from ._elastic import GlobalBatchSampler
+from ._protocol import Job, Placed, StreamRequest, encode_keys
+from ._seed import derive_batch_seed, derive_epoch_seed, draw_base_seed
 from .sampler import BatchSampler
 
 __all__ = ["Epoch", "Schedule"]
 
 _STATE_KEYS = ("epoch", "batches_yielded", "sampler", "seed")
+# A state's digest covers the keys of this many batches after it (global batches for the samplers
+# of `_elastic`): what tells a state loaded into a loader whose batches would differ.
+_DIGEST_BATCHES = 4
 
 
-def _encoded_batches(batch_sampler: Any) -> Iterator[Any]:
+def _encoded_batches(batch_sampler: Any, epoch_seed: int = 0) -> Iterator[Any]:
     """One epoch of `batch_sampler`, each batch's keys as `encode_keys` encodes them; straight
-    from the epoch's index array when the samplers make one (~15 us a batch of 256 less)."""
+    from the epoch's index array when the samplers make one (~15 us a batch of 256 less); for a
+    sampler of a global order, with each batch's place in it (`Placed`, seeded by `epoch_seed`)."""
+    if isinstance(batch_sampler, GlobalBatchSampler):
+        return (Placed(encode_keys(keys), first, epoch_seed) for first, keys in batch_sampler._placed_batches())
     arrays = batch_sampler._index_batches() if isinstance(batch_sampler, BatchSampler) else None
     if arrays is None:
         own = isinstance(batch_sampler, BatchSampler) and type(batch_sampler).__iter__ is BatchSampler.__iter__
@@ -110,6 +119,7 @@ class Schedule:
         self._sampler = batch_sampler
         self._stream = stream
         self._base_seed = base_seed
+        self._given_seed = base_seed  # seed= as given (None: drawn), what a state must have been made for
         self._draw_seed = draw_seed
         self._seeded_sampler = seeded_sampler
         self._lookahead = lookahead
@@ -154,7 +164,7 @@ class Schedule:
         if prepare is not None:  # a seedless RandomSampler draws the epoch's seed before the state is taken
             prepare()
         start_state = self._sampler_state()
-        batches = enumerate(_encoded_batches(self._sampler))
+        batches = enumerate(_encoded_batches(self._sampler, derive_epoch_seed(self.base_seed, number)))
         for _ in range(skip):
             next(batches, None)
         epoch = Epoch(number, length, start_state, batches, skip)
@@ -308,7 +318,38 @@ class Schedule:
         return state
 
     def _state(self, epoch: int, yielded: int, sampler_state: Any) -> dict[str, Any]:
-        return {"epoch": epoch, "batches_yielded": yielded, "sampler": sampler_state, "seed": self.base_seed}
+        return {"epoch": epoch, "batches_yielded": yielded, "sampler": sampler_state, "seed": self.base_seed,
+                "made_for": self._made_for(sampler_state, yielded)}
+
+    def _made_for(self, start_state: Any, skip: int) -> dict[str, Any]:
+        """What the state was made for: the batch policy and its order's samples (see
+        `describe` of gloader's samplers), and a digest of the batches after it."""
+        describe = getattr(self._sampler, "describe", None)
+        made: dict[str, Any] = describe() if callable(describe) else {"batches": type(self._sampler).__name__}
+        made["samples"] = self._samples()
+        made["next_batches"] = _next_digest(self._sampler, start_state, skip)
+        return made
+
+    def _check_made_for(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError naming each way this loader differs from the one `state` was made for
+        (a state without that record, from an older gloader, is not checked)."""
+        made = state.get("made_for")
+        if not isinstance(made, Mapping):
+            return
+        differences = []
+        if self._given_seed is not None and state["seed"] != self._given_seed:
+            differences.append(f"seed {state['seed']} (this loader's seed={self._given_seed})")
+        now = self._made_for(state["sampler"], int(state["batches_yielded"]))
+        differences += [f"{key} {made.get(key)!r} (this loader's: {now.get(key)!r})"
+                        for key in sorted(set(made) | set(now)) if key != "next_batches" and made.get(key) != now.get(key)]
+        if not differences and None not in (made.get("next_batches"), now.get("next_batches")) \
+                and made["next_batches"] != now["next_batches"]:  # what the policy does not say: the dataset's order
+            differences.append("the indices of the next batches (the sampler draws another order from this state)")
+        if differences:
+            raise ValueError("this state was made for another loader: " + "; ".join(differences) + ". A state resumes "
+                             "the loader it was made for, with the same seed, dataset and batches (with a "
+                             "DistributedBatchSampler or TokenBudgetBatchSampler, also on another number of ranks "
+                             "with the same global batch): build the loader as it was, or start this one afresh")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`: the next epoch opened is the saved one, minus its served batches.
@@ -325,6 +366,7 @@ class Schedule:
         for key in ("epoch", "batches_yielded", "seed"):
             if not is_int(state[key]) or state[key] < 0:
                 raise ValueError(f"state[{key!r}] must be an integer >= 0, got {state[key]!r}")
+        self._check_made_for(state)
         self._upcoming = None
         if state["sampler"] is not None and hasattr(self._sampler, "load_state_dict"):
             self._sampler.load_state_dict(state["sampler"])
@@ -338,3 +380,29 @@ class Schedule:
         self._base_seed = int(state["seed"])
         if self._seeded_sampler is not None and self._seeded_sampler._seed is None:
             self._seeded_sampler._seed = self._base_seed  # as adopt_seed gives it
+
+
+def _next_digest(batch_sampler: Any, start_state: Any, skip: int) -> str | None:
+    """A digest of the keys of the `_DIGEST_BATCHES` batches after the first `skip` of the epoch
+    that `batch_sampler` draws from `start_state`, drawn from a copy (the sampler and its
+    dataset are left alone); global batches for a sampler of a global order, so that it is the
+    same on every rank. None where it cannot be drawn so (a sampler without state)."""
+    if start_state is None or not hasattr(batch_sampler, "load_state_dict"):
+        return None
+    inner = getattr(batch_sampler, "sampler", None)
+    shared = {id(value): value for value in (getattr(inner, "_dataset", None), getattr(inner, "data_source", None))
+              if value is not None}
+    try:
+        probe = copy.deepcopy(batch_sampler, shared)
+        probe.load_state_dict(start_state)
+        digest = hashlib.sha256()
+        if isinstance(probe, GlobalBatchSampler):
+            order, bounds = probe._global_epoch()
+            works: Iterator[Any] = (encode_keys(order[start:end]) for start, end in bounds)
+        else:
+            works = _encoded_batches(probe, 0)
+        for work in itertools.islice(works, skip, skip + _DIGEST_BATCHES):
+            digest.update(work if isinstance(work, bytes) else repr(work).encode())
+        return digest.hexdigest()[:16]
+    except Exception:  # a sampler that cannot be copied or drawn so: its batches are not checked
+        return None

@@ -13,7 +13,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-__all__ = ["derive_batch_seed", "derive_sample_seed", "draw_base_seed", "preserved_global_rng", "seed_global_rng"]
+__all__ = ["derive_batch_seed", "derive_epoch_seed", "derive_sample_seed", "draw_base_seed", "preserved_global_rng",
+           "seed_global_rng"]
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -45,6 +46,13 @@ def derive_batch_seed(base_seed: int, epoch: int, batch_index: int) -> int:
     value = _mix64((value + (epoch & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64)
     value = _mix64((value + (batch_index & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64)
     return value & _SEED_MASK
+
+
+def derive_epoch_seed(base_seed: int, epoch: int) -> int:
+    """Return the seed of an epoch's global order: what its samples' seeds derive from when the
+    sampler places them (`_protocol.Placed`: a sample's seed comes from its place in the order,
+    `derive_sample_seed(epoch seed, place)`, not from the batch it lands in)."""
+    return derive_batch_seed(base_seed, epoch, _MASK64)  # a batch index no batch has
 
 
 def derive_sample_seed(batch_seed: int, position: int) -> int:

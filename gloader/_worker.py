@@ -235,11 +235,14 @@ class WorkerState:
     crosses_process: bool
     streams: dict[int, tuple[int, Any]] = dataclasses.field(default_factory=dict)
     admission: Admission | None = None  # process workers of a pool with more workers than CPUs
+    # Whether `seeding` seeds the process-wide generators (a process worker's own, or in-process
+    # loading with seed=): then a placed batch reseeds them before each sample (see _fetch).
+    seeds_globals: bool = True
 
     @classmethod
-    def in_process(cls, seeding: Callable[[int], ContextManager[None]]) -> WorkerState:
+    def in_process(cls, seeding: Callable[[int], ContextManager[None]], seeds_globals: bool) -> WorkerState:
         """The state of in-process loading (`num_workers=0`)."""
-        return cls(-1, 0, DirectWriter(), _LocalLink(), seeding, crosses_process=False)
+        return cls(-1, 0, DirectWriter(), _LocalLink(), seeding, crosses_process=False, seeds_globals=seeds_globals)
 
     def failure(self, exc: BaseException, tb_text: str, context: str, batch_index: int,
                 sample_index: Any) -> WorkerFailure:
@@ -280,7 +283,8 @@ def execute(state: WorkerState, registration: Registration, loader_id: int, epoc
                 _registry.set_torch_worker_info(registration.torch_info)
             return load_batch(registration, loader_id, epoch, work, space, state.writer,
                               state.streams, state.worker_id, cursor,
-                              (state.worker_id, state.num_workers, seed, registration.dataset))
+                              (state.worker_id, state.num_workers, seed, registration.dataset),
+                              seed_global_rng if state.seeds_globals else None)
     except BaseException as exc:
         return state.failure(exc, traceback.format_exc(), "", batch_index, cursor.key)
     finally:
@@ -407,7 +411,7 @@ def initialize_thread_worker(spec: PoolSpec, registrations: list[tuple[int, Payl
     try:
         worker_id = _claim_thread_id(spec)
         state = WorkerState(worker_id, spec.num_workers, DirectWriter(), _LocalLink(), _leave_globals,
-                            crosses_process=False)
+                            crosses_process=False, seeds_globals=False)
         _THREAD_STATE.state = state
         _register_all(state, registrations)
     except BaseException:  # pragma: no cover - last resort; the first task reports the loader as missing

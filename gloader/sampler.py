@@ -19,8 +19,8 @@ from ._checks import check_flag, check_last_batch, check_positive_int
 from ._math import ceil_div
 from ._seed import draw_base_seed
 
-__all__ = ["BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler", "RandomSampler",
-           "Sampler", "SequentialSampler"]
+__all__ = ["BatchSampler", "DistributedBatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler",
+           "RandomSampler", "Sampler", "SequentialSampler", "TokenBudgetBatchSampler", "WeightedMixtureSampler"]
 
 
 def _check_length(length: Any) -> int:
@@ -348,6 +348,13 @@ class BatchSampler(Sampler, torch_data.BatchSampler):
         if hasattr(self._sampler, "load_state_dict"):
             self._sampler.load_state_dict(state["sampler"])
 
+    def describe(self) -> dict[str, Any]:
+        """What a loader's state records of this sampler: what decides the batches."""
+        order = self._sampler
+        described = order.describe() if hasattr(order, "describe") else {"order": type(order).__name__}
+        return {"batches": type(self).__name__, "batch_size": self._batch_size, "last_batch": self._last_batch,
+                **described}
+
 
 _said_iterated_without_the_loader = False
 
@@ -372,7 +379,9 @@ _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max
 _DISTRIBUTED_MODES = ("pad", "discard", "keep")
 
 
-def _default_distributed(name: str) -> int:
+def default_distributed(name: str) -> int:
+    """torch.distributed's world size (`name`='num_replicas') or rank, or a ValueError saying
+    it is not initialized."""
     import torch.distributed as dist  # imported lazily: plain loaders never need it
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -408,9 +417,9 @@ class DistributedSampler(Sampler, torch_data.DistributedSampler[Any]):
     def __init__(self, length: int, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, last_batch: str = "pad") -> None:
         self._length = _check_length(length)
-        replicas = _default_distributed("num_replicas") if num_replicas is None else num_replicas
+        replicas = default_distributed("num_replicas") if num_replicas is None else num_replicas
         self._num_replicas = check_positive_int("num_replicas", replicas)
-        self._rank = _default_distributed("rank") if rank is None else int(rank)
+        self._rank = default_distributed("rank") if rank is None else int(rank)
         if not 0 <= self._rank < self._num_replicas:
             raise ValueError(f"rank must be in [0, {self._num_replicas}), got {self._rank}")
         if last_batch not in _DISTRIBUTED_MODES:
@@ -462,3 +471,9 @@ class DistributedSampler(Sampler, torch_data.DistributedSampler[Any]):
 
 # Samplers whose epoch `BatchSampler._index_batches` takes as one array (their `_indices()`).
 _ARRAY_EPOCHS = (SequentialSampler.__iter__, RandomSampler.__iter__, DistributedSampler.__iter__)
+
+
+# Samplers of a global order (elastic: see `_elastic`), re-exported as gloader's samplers.
+from ._budget import TokenBudgetBatchSampler  # noqa: E402  # they import this module's samplers lazily
+from ._elastic import DistributedBatchSampler  # noqa: E402
+from ._mixture import WeightedMixtureSampler  # noqa: E402

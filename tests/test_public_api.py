@@ -17,8 +17,9 @@ def test_all_is_sorted_and_exact() -> None:
                                     "get_worker_info", "sampler"}
     assert set(batchify.__all__) >= {"Dict", "Group", "List", "NamedTuple", "Pad", "Stack", "Tuple",
                                         "default_batchify_fn"}
-    assert set(sampler.__all__) == {"BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler",
-                                    "RandomSampler", "Sampler", "SequentialSampler"}
+    assert set(sampler.__all__) == {"BatchSampler", "DistributedBatchSampler", "DistributedSampler", "FilterSampler",
+                                    "IntervalSampler", "RandomSampler", "Sampler", "SequentialSampler",
+                                    "TokenBudgetBatchSampler", "WeightedMixtureSampler"}
 
 
 def test_exported_names_report_module_gloader() -> None:
