@@ -17,7 +17,6 @@ import torch
 import gloader
 from gloader import DataLoader
 from gloader.sampler import (
-    BatchSampler,
     DistributedBatchSampler,
     RandomSampler,
     SequentialSampler,
