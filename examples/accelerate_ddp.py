@@ -2,19 +2,19 @@
 per-batch errors), Accelerate the model, the optimizer, gradient accumulation and gathering.
 
 `accelerator.prepare(loader)` would rebuild the loader as a torch DataLoader and load without
-gloader (a RuntimeWarning says so). Instead, leave the loader out of `prepare()`, shard it with
-a DistributedSampler of this process's rank, call `set_epoch` before each epoch, and move the
-batches to `accelerator.device` (or pass `device=` on a GPU). `accelerator.accumulate` and
-`accelerator.gather` work as they do with a prepared loader; `gather_for_metrics` drops a
-prepared loader's padding only, so for exact metrics evaluate with
-`gloader.sampler.DistributedSampler(..., last_batch='pad')` and keep each sample's first
-prediction by index, as `evaluate` does below.
+gloader (a RuntimeWarning says so). Instead, leave the loader out of `prepare()`, shard it with a
+`gloader.sampler.DistributedBatchSampler` and iterate it through
+`gloader.integrations.accelerate.AcceleratedLoader`: `accelerator.accumulate` then steps at each
+epoch's last batch and `gather_for_metrics` drops the last batch's padding, as with a prepared
+loader. Needs Accelerate: pip install 'gloader[accelerate]'.
 
 Run (2 processes on CPU): ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 examples/accelerate_ddp.py
-  (or: accelerate launch --cpu --num_processes 2 examples/accelerate_ddp.py; without a GPU and
-  without ACCELERATE_USE_CPU, Accelerate runs each torchrun process alone)
-With `--loader torch`, the same steps run on torch's DataLoader with the same sampler: rank 0
-prints the per-step losses as JSON, and the two runs print the same numbers.
+  (or: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/accelerate_ddp.py,
+  whose --multi_gpu is what starts several processes; `--cpu --num_processes 2` starts one)
+With `--loader torch`, the same steps run on a torch DataLoader that `accelerator.prepare()` shards
+(`split_batches=True`: each process gets its slice of every batch of 8, as the sampler gives
+gloader's): rank 0 prints the per-step losses, the optimizer updates and the evaluation as JSON,
+and the two runs print the same numbers.
 """
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ import torch
 import torch.utils.data as torch_data
 
 import gloader
+from gloader.sampler import DistributedBatchSampler, RandomSampler, SequentialSampler
 
-_SAMPLES = 96
+_SAMPLES = 100  # 13 global batches of 8 an epoch (the last padded): an odd count, for accumulation
+_GLOBAL_BATCH = 8
 
 
 def _data() -> gloader.ArrayDataset:
@@ -39,63 +41,68 @@ def _data() -> gloader.ArrayDataset:
     return gloader.ArrayDataset(x, y)
 
 
-def _loader(kind: str, dataset: Any, sampler: Any, device: Any) -> Any:
+def _loader(kind: str, accelerator: Any, dataset: Any, order: Any) -> Any:
     if kind == "torch":
-        return torch_data.DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2)
-    return gloader.DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2, seed=0,
-                              device=device if device.type == "cuda" else None)
+        return accelerator.prepare(torch_data.DataLoader(dataset, batch_size=_GLOBAL_BATCH, sampler=order, num_workers=2))
+    from gloader.integrations.accelerate import AcceleratedLoader
+
+    batches = DistributedBatchSampler(order, _GLOBAL_BATCH // accelerator.num_processes,
+                                      accelerator.num_processes, accelerator.process_index)
+    device = accelerator.device if accelerator.device.type == "cuda" else None
+    return AcceleratedLoader(gloader.DataLoader(dataset, batch_sampler=batches, num_workers=2, seed=0, device=device))
 
 
-def evaluate(accelerator: Any, model: Any, dataset: Any, kind: str) -> float:
-    """Mean squared error over every sample exactly once, whatever padding the ranks got."""
-    sampler = gloader.sampler.DistributedSampler(len(dataset), num_replicas=accelerator.num_processes,
-                                                 rank=accelerator.process_index, shuffle=False, last_batch="pad")
-    indexed = gloader.ArrayDataset(np.arange(len(dataset)), *(np.stack(part) for part in zip(*dataset)))
-    errors: dict[int, float] = {}
+def evaluate(accelerator: Any, model: Any, dataset: Any, kind: str) -> tuple[float, int]:
+    """Mean squared error over every sample exactly once (gather_for_metrics drops the padding),
+    and how many samples it counted."""
+    loader = _loader(kind, accelerator, dataset, SequentialSampler(len(dataset)))
+    errors = []
     with torch.no_grad():
-        for index, x, y in _loader(kind, indexed, sampler, accelerator.device):
+        for x, y in loader:
             error = ((model(x.to(accelerator.device)) - y.to(accelerator.device)) ** 2).squeeze(1)
-            for i, e in zip(accelerator.gather(index.to(accelerator.device)).tolist(),
-                            accelerator.gather(error).tolist()):
-                errors.setdefault(i, e)  # a padded repeat comes after the sample's own
-    assert sorted(errors) == list(range(len(dataset)))
-    return float(np.mean(list(errors.values())))
+            errors.append(accelerator.gather_for_metrics(error))
+    if hasattr(loader, "loader"):
+        loader.loader.close()
+    gathered = torch.cat(errors)
+    return float(gathered.mean()), len(gathered)
 
 
-def main(argv: list[str] | None = None) -> list[float]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DataLoaderConfiguration, set_seed
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--loader", choices=["gloader", "torch"], default="gloader")
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args(argv)
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+    accelerator = Accelerator(gradient_accumulation_steps=2,
+                              dataloader_config=DataLoaderConfiguration(split_batches=True))
     set_seed(0)
+    model = torch.nn.Linear(8, 1)  # before prepare(loader), which draws from torch's generator under 2 processes
     dataset = _data()
-    sampler = torch_data.DistributedSampler(dataset, num_replicas=accelerator.num_processes,
-                                            rank=accelerator.process_index, shuffle=True, seed=0)
-    loader = _loader(args.loader, dataset, sampler, accelerator.device)
-    model = torch.nn.Linear(8, 1)
+    order = RandomSampler(len(dataset), seed=0)  # the same order on every rank, for either loader
+    loader = _loader(args.loader, accelerator, dataset, order)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer = accelerator.prepare(model, optimizer)
-    losses = []
+    losses, updates = [], 0
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+        loader.set_epoch(epoch)
         for x, y in loader:
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x.to(accelerator.device)), y.to(accelerator.device))
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
+                updates += accelerator.sync_gradients
             losses.append(accelerator.gather(loss.detach()).mean().item())
-    error = evaluate(accelerator, model, dataset, args.loader)
+    error, counted = evaluate(accelerator, model, dataset, args.loader)
+    result = {"loader": args.loader, "losses": losses, "updates": updates, "eval_mse": error, "eval_samples": counted}
     if accelerator.is_main_process:
-        sys.stdout.write(json.dumps({"loader": args.loader, "losses": losses, "eval_mse": error}) + "\n")
-    if hasattr(loader, "close"):
-        loader.close()
+        sys.stdout.write(json.dumps(result) + "\n")
+    if hasattr(loader, "loader"):
+        loader.loader.close()
     accelerator.end_training()
-    return losses
+    return result
 
 
 if __name__ == "__main__":

@@ -41,9 +41,12 @@ def test_torch_style_mnist_script_trains_with_either_import(loader: str, tmp_pat
 
 
 @pytest.mark.timeout(300)
-def test_under_accelerate_two_processes_train_the_same_steps_on_gloader_as_on_torch() -> None:
+def test_under_accelerate_two_processes_train_the_same_steps_on_gloader_as_on_a_prepared_torch_loader() -> None:
     """examples/accelerate_ddp.py under a 2-process torchrun launch: gloader loading (left out of
-    prepare()) gives the per-step losses and the evaluation of torch's DataLoader, exactly."""
+    prepare(), iterated through AcceleratedLoader) gives the per-step losses of a torch DataLoader
+    that prepare() shards, the same optimizer updates (an epoch of 13 batches, 2 accumulation
+    steps: 7 an epoch, where a loader Accelerate does not know of made 6), and an evaluation that
+    gather_for_metrics counts every sample of once, exactly."""
     pytest.importorskip("accelerate")
     import json
     import os
@@ -56,10 +59,12 @@ def test_under_accelerate_two_processes_train_the_same_steps_on_gloader_as_on_to
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                "examples/accelerate_ddp.py", "--loader", loader],
                               capture_output=True, text=True, timeout=240, cwd=root,
-                              env={**os.environ, "ACCELERATE_USE_CPU": "1"})  # else one process each, here
+                              env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})  # else 1 process
         assert done.returncode == 0, done.stderr[-3000:]
         assert "Warning" not in done.stderr, done.stderr[-3000:]
         runs[loader] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(runs["gloader"]["losses"]) == 2 * 96 // 2 // 4  # 2 epochs of 12 steps a rank
+    assert len(runs["gloader"]["losses"]) == 2 * 13  # 2 epochs of 13 steps a rank
     assert runs["gloader"]["losses"] == runs["torch"]["losses"]
+    assert runs["gloader"]["updates"] == runs["torch"]["updates"] == 14
+    assert runs["gloader"]["eval_samples"] == runs["torch"]["eval_samples"] == 100
     assert runs["gloader"]["eval_mse"] == runs["torch"]["eval_mse"]
