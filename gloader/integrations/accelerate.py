@@ -69,9 +69,10 @@ class AcceleratedLoader(DataLoaderStateMixin):  # type: ignore[misc]  # accelera
         """The samples of the epoch's last global batch that are not padding (0: none pads it),
         or -1 where the sampler cannot tell (see the class)."""
         batches: Any = self.loader.batch_sampler
+        order: Any = getattr(batches, "sampler", None)
         if isinstance(batches, GlobalBatchSampler) and getattr(batches, "last_batch", None) == "pad" \
-                and hasattr(batches, "global_batch_size") and batches.sampler is not None:
-            return int(len(batches.sampler) % batches.global_batch_size)
+                and hasattr(batches, "global_batch_size") and order is not None:
+            return int(len(order) % batches.global_batch_size)
         return -1
 
     def __iter__(self) -> Iterator[Any]:
