@@ -49,7 +49,7 @@ def test_quick_run_reports_a_ratio_that_matches_its_throughputs() -> None:
 
 @pytest.mark.parametrize("argv, says", [
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
-    (["--workloads", "W1,W13"], r"--workloads takes W1 to W12; got \['W13'\]"),
+    (["--workloads", "W1,W14"], r"--workloads takes W1 to W13; got \['W14'\]"),
     (["--workloads", "W1", "--plot", "x.png"], "--plot needs W1, W2, W3 and W4"),
 ])
 def test_bad_arguments_exit_with_a_message(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -526,7 +526,7 @@ def test_help_names_every_workload() -> None:
     listed = done.stdout.split("\nworkloads:\n")[1]
     starts = re.findall(r"^\s+(W\d+)(?:, (W\d+))? ", listed, re.MULTILINE)  # each line that says what one is
     assert sorted({name for pair in starts for name in pair if name}, key=lambda n: int(n[1:])) == \
-        [f"W{i}" for i in range(1, 13)]
+        [f"W{i}" for i in range(1, 14)]
 
 
 def test_module_changes_count_each_entry_into_another_module_of_the_package() -> None:
@@ -581,3 +581,15 @@ def test_w12_report_and_scale_out_model_follow_the_measured_figures() -> None:
     assert cluster.ray_summary(results) == ("W12 gloader on Ray / Ray Data, same CPUs | W3 0.50x, W8 0.50x; "
                                             "one caller receives 0.50 GB/s")
     assert cluster.report_ray({"W12": {"skipped": "Ray is not installed"}}) == ["", "W12 skipped: Ray is not installed"]
+
+
+def test_the_samplers_workload_reports_each_samplers_cost_beside_the_plain_one() -> None:
+    results = bench.run(quick=True, rounds=1, only={"W13"})
+    lines = bench.report(results).splitlines()
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and "x |" in line}
+    assert {"RandomSampler (plain)", "DistributedBatchSampler", "WeightedMixtureSampler, 3 datasets",
+            "TokenBudgetBatchSampler"} <= set(rows)
+    assert rows["RandomSampler (plain)"].split("|")[3].strip().startswith("1.00")  # itself, per round
+    loaded = results["W13"]["loaded"]
+    placed = next(line for line in lines if line.startswith("| DistributedBatchSampler, each sample seeded"))
+    assert f"({loaded['placed'][0] / loaded['plain'][0]:.3g}" in placed.replace("x |", "")

@@ -46,6 +46,9 @@ Workloads:
     W12 on a local Ray instance with the same CPUs: gloader on Ray (RayPool) against Ray Data,
         torch and local gloader on W3 and W8, and the GB/s one caller receives of W2 batches
         through Ray's object store; see `gloader.bench.cluster`. Skipped when Ray is not installed.
+    W13 the samplers of a global order (DistributedBatchSampler, WeightedMixtureSampler,
+        TokenBudgetBatchSampler): what a batch costs to draw against a plain RandomSampler, and
+        W1's samples/s with each sample seeded from its place; see `gloader.bench.samplers`.
 
 Uses gloader's public API only, like any other user of it.
 """
@@ -144,6 +147,12 @@ def run(quick: bool, rounds: int, only: set[str] | None = None, peers: bool = Tr
             on_ray_sets["W8"] = (jpegs, on_ray["W8"].batch_size)
         results["W12"] = measure_ray(on_ray_sets, quick, ray_rounds, progress.step)
         done("W12")
+    if peers and (only is None or "W13" in only):
+        from .samplers import measure_samplers
+
+        sys.stderr.write("W13 samplers of a global order ...\n")
+        results["W13"] = measure_samplers(quick, rounds)
+        done("W13")
     if only is not None and "W7" in only:
         from .device import measure_device_transfer
 
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                         "their batches")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 5, quick 3)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save a chart (needs W1-W4)")
-    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W12; W7 needs CUDA and runs only when named)")
+    parser.add_argument("--workloads", metavar="W1,W2", help="run only these workloads (W1-W13; W7 needs CUDA and runs only when named)")
     parser.add_argument("--markdown", metavar="PAGE.md", help="also write the report as a documentation page "
                         "(the machine, versions, date and command of this run included)")
     parser.add_argument("--readme", metavar="README.md", help="also put this run's summary table into that file, "
@@ -218,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     only = None
     if args.workloads:
         only = {w.strip().upper() for w in args.workloads.split(",")}
-        unknown = only - {f"W{number}" for number in range(1, 13)}
+        unknown = only - {f"W{number}" for number in range(1, 14)}
         if unknown:
-            parser.error(f"--workloads takes W1 to W12; got {sorted(unknown)}")
+            parser.error(f"--workloads takes W1 to W13; got {sorted(unknown)}")
         if args.plot and not {"W1", "W2", "W3", "W4"} <= only:
             parser.error("--plot needs W1, W2, W3 and W4")
     if args.readme:

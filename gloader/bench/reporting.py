@@ -36,9 +36,10 @@ def report(results: dict[str, Any], heading: bool = True) -> str:
     lines += _report_peers(results) + _report_scaling(results) + report_gaps(results) + _report_latency(results)
     from .device import report_device
     from .memory import report_memory
+    from .samplers import report_samplers
 
     return "\n".join(lines + report_memory(results) + report_device(results) + report_remote(results)
-                     + report_ray(results)).strip("\n")
+                     + report_ray(results) + report_samplers(results)).strip("\n")
 
 
 def _report_latency(results: dict[str, Any]) -> list[str]:
