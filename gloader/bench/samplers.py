@@ -10,7 +10,6 @@ their ratio. One rank of two throughout; medians over the rounds.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any, Callable
 
@@ -48,7 +47,7 @@ def _makers() -> dict[str, Callable[[], Any]]:
 
 def _epoch_batches(sampler: Any) -> int:
     """Draw one epoch's batches as the loader draws them (see `gloader._schedule`); their count."""
-    draw = getattr(sampler, "_placed_batches", None) or getattr(sampler, "_index_batches")
+    draw = getattr(sampler, "_placed_batches", None) or sampler._index_batches
     return sum(1 for _ in draw())
 
 
