@@ -48,7 +48,7 @@ class TokenBudgetBatchSampler(GlobalBatchSampler):
         TypeError, ValueError: for a bad argument, naming it.
     """
 
-    def __init__(self, lengths: Sequence[int], max_tokens: int | None = None, batch_size: int | None = None,
+    def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int | None = None, batch_size: int | None = None,
                  num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True, seed: int = 0,
                  window: int = 4096, last_batch: str = "pad") -> None:
         self._lengths = np.asarray(lengths, dtype=np.int64)

@@ -34,7 +34,7 @@ _BATCH = 256
 
 
 def _makers() -> dict[str, Callable[[], Any]]:
-    lengths = (np.arange(_SAMPLES) * 7919) % 120 + 8
+    lengths = ((np.arange(_SAMPLES) * 7919) % 120 + 8).tolist()
     return {
         "RandomSampler (plain)": lambda: BatchSampler(RandomSampler(_SAMPLES, seed=0), _BATCH),
         "DistributedBatchSampler": lambda: DistributedBatchSampler(RandomSampler(_SAMPLES, seed=0), _BATCH, 2, 0),
@@ -58,15 +58,15 @@ def measure_samplers(quick: bool, rounds: int) -> dict[str, Any]:
         for name, make in _makers().items():
             sampler = make()
             started = time.perf_counter()
-            batches = _epoch_batches(sampler)
-            per_batch[name].append((time.perf_counter() - started) / batches * 1e6)
+            count = _epoch_batches(sampler)
+            per_batch[name].append((time.perf_counter() - started) / count * 1e6)
     dataset = TinyDataset(_SAMPLES // (10 if quick else 1))
     loaded: dict[str, list[float]] = {"plain": [], "placed": []}
     for round_ in range(rounds):
         for name in (["plain", "placed"] if round_ % 2 == 0 else ["placed", "plain"]):
             order = RandomSampler(len(dataset), seed=0)
-            batches = BatchSampler(order, _BATCH) if name == "plain" else DistributedBatchSampler(order, _BATCH, 2, 0)
-            with gloader.DataLoader(dataset, batch_sampler=batches, num_workers=2, seed=0) as loader:
+            drawn: Any = BatchSampler(order, _BATCH) if name == "plain" else DistributedBatchSampler(order, _BATCH, 2, 0)
+            with gloader.DataLoader[Any](dataset, batch_sampler=drawn, num_workers=2, seed=0) as loader:
                 next(iter(loader))  # the workers start: not timed
                 started = time.perf_counter()
                 samples = sum(len(batch[0]) for batch in loader)
