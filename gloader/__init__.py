@@ -11,14 +11,16 @@ from ._protocol import BatchTimeoutError, WorkerExitedError
 from ._ray import RayPool
 from ._registry import WorkerInfo, get_worker_info
 from ._shared_pool import WorkerPool
-from .dataset import ArrayDataset, Dataset, IterableDataset, SimpleDataset
+from .dataset import ArrayDataset, Dataset, IterableDataset, SharedDict, SharedList, SimpleDataset
 from .loader import DataLoader
 
-__all__ = ["ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "RayPool", "SimpleDataset",
-           "WorkerExitedError", "WorkerInfo", "WorkerPool", "batchify", "get_worker_info", "sampler"]
+__all__ = ["ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "RayPool", "SharedDict",
+           "SharedList", "SimpleDataset", "WorkerExitedError", "WorkerInfo", "WorkerPool", "batchify", "get_worker_info",
+           "sampler"]
 
 for _name in ("ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "RayPool",
-              "SimpleDataset", "WorkerExitedError", "WorkerInfo", "WorkerPool", "get_worker_info"):
+              "SharedDict", "SharedList", "SimpleDataset", "WorkerExitedError", "WorkerInfo", "WorkerPool",
+              "get_worker_info"):
     globals()[_name].__module__ = __name__
 del _name
 

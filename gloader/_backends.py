@@ -145,8 +145,9 @@ class OnPool:
     has_workers = True
 
     def __init__(self, core: PoolCore, owns_core: bool, loader_id: int, slots: SlotPool | None,
-                 persistent_workers: bool) -> None:
+                 persistent_workers: bool, payload: Payload) -> None:
         self.core = core
+        self._payload = payload  # workers map its shared buffers (through its descriptor) while they run
         self.owns_workers = owns_core
         self.slots = slots
         self._loader_id = loader_id
@@ -242,11 +243,12 @@ def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], P
     start_method = multiprocess.get_context(config.start_method).get_start_method()
     if config.pool is not None:
         core = config.pool.core
-        core.join(loader_id, make_payload(not config.thread_pool))
+        payload = make_payload(not config.thread_pool)
+        core.join(loader_id, payload)
     else:
-        pickled = not config.thread_pool and start_method != "fork"
+        payload = make_payload(not config.thread_pool and start_method != "fork")
         core = make_core(workers or config.num_workers, config.thread_pool, config.start_method,
-                         [(loader_id, make_payload(pickled))], config.most_workers)
+                         [(loader_id, payload)], config.most_workers)
     # With a CUDA device, slots are page-locked for it: the device stage copies a batch straight
     # from its slot, with no copy into pinned memory first (see _device.register_for_device).
     register = (functools.partial(register_for_device, config.device)
@@ -264,7 +266,7 @@ def start(config: LoaderConfig, loader_id: int, make_payload: Callable[[bool], P
     working_set = config.prefetch + spare + _LOOP_HOLDS
     slots = None if config.thread_pool else \
         SlotPool(spare, config.most_prefetch + spare + _HELD_WITH_DESCRIPTOR, register, working_set)
-    return OnPool(core, config.pool is None, loader_id, slots, config.persistent_workers)
+    return OnPool(core, config.pool is None, loader_id, slots, config.persistent_workers, payload)
 
 
 class Backend(Protocol):

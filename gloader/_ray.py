@@ -198,9 +198,9 @@ class RayPool:
             ray.init(address=self.address, **self.init_options)
         return ray
 
-    def start_backend(self, config: Any, loader_id: int, make_payload: Callable[[bool], Payload]) -> OnRay:
+    def start_backend(self, config: Any, loader_id: int, make_payload: Callable[..., Payload]) -> OnRay:
         """Start a loader's actors (the strategy `_backends.start` returns for this pool)."""
-        return OnRay(self, config, loader_id, make_payload(True))
+        return OnRay(self, config, loader_id, make_payload(True, shared=False))  # its object store takes the buffers
 
 
 def _check_reachable(address: str | None, timeout_s: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import pickle
 import threading
 import traceback
 from typing import Any, Callable, Iterator, NamedTuple
@@ -48,15 +49,18 @@ class WorkerInfo(NamedTuple):
 class Payload:
     """What a loader ships to its workers.
 
-    `parts` is (dataset, batchify_fn, worker_init_fn), or, when `pickled`, dill bytes of the
-    three dumped one after another by one pickler: one object graph, so a `worker_init_fn`
-    that is a method of the dataset configures the very dataset that loads.
+    `parts` is (dataset, batchify_fn, worker_init_fn), or, when `pickled`, the bytes of the three
+    dumped one after another by one pickler (see `_payload`): one object graph, so a
+    `worker_init_fn` that is a method of the dataset configures the very dataset that loads.
     """
 
     parts: Any
     base_seed: int
     pickled: bool
     fetch_threads: int | str | None = None  # the loader's fetch_threads (see _fetch.Fetcher)
+    # The pickle's large buffers, sent out of band: a `_segment.SharedBuffers` the workers map,
+    # or (Ray's object store keeps them) the arrays themselves; None: all in `parts`.
+    buffers: Any = None
 
 
 @dataclasses.dataclass
@@ -122,11 +126,18 @@ def _load_parts(payload: Payload) -> Iterator[tuple[str, Any]]:
     if not payload.pickled:
         yield from zip(names, payload.parts)
         return
-    import dill
-
-    unpickler = dill.Unpickler(io.BytesIO(payload.parts))  # one memo: shared objects stay shared
+    buffers = payload.buffers.views() if hasattr(payload.buffers, "views") else payload.buffers
+    unpickler = pickle.Unpickler(io.BytesIO(payload.parts), buffers=buffers)  # one memo: shared objects stay shared
     for name in names:
         yield name, unpickler.load()
+
+
+def from_dill(data: bytes) -> Any:
+    """An object the payload's pickler could not send by reference (a lambda, a class defined in
+    `__main__` or a notebook), sent by value with dill (see `_payload`)."""
+    import dill
+
+    return dill.loads(data)
 
 
 def _torch_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Any) -> Any:

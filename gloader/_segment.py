@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 __all__ = ["ALIGN_BYTES", "ANSWERS", "ANSWER_BYTES", "HEADER_BYTES", "Handle", "Header", "PROBE_BYTES", "RETIRED",
-           "Register", "SEGMENT_NAME", "Segment", "Slot", "TOKEN", "TRAILER", "WANTED", "WRITTEN", "c_library",
+           "Register", "SEGMENT_NAME", "Segment", "SharedBuffers", "Slot", "TOKEN", "TRAILER", "WANTED", "WRITTEN",
+           "c_library",
            "create_segment", "map_fd", "numpy_twin", "out_of_memory", "resident_bytes", "tensor_at"]
 
 
@@ -204,3 +205,68 @@ def resident_bytes(segment: Segment, fd: int) -> int:
     if c_library().mincore(ctypes.addressof(segment), len(segment), present.ctypes.data) != 0:
         return len(segment)
     return int(np.count_nonzero(present & 1)) * mmap.PAGESIZE
+
+
+class SharedBuffers:
+    """Large buffers of a pickled payload (numpy arrays, the records of a `SharedList`), written
+    once into one anonymous segment that every worker process maps instead of unpickling a copy
+    (pickle's protocol 5, out of band). The caller's object owns the segment's descriptor; a
+    worker's (unpickled: the caller's pid, that descriptor, a token, the buffers' places) opens
+    it through /proc/PID/fd, as a lent slot is (a process of the same user), and maps it
+    privately: the pages are shared until a worker writes one (then that page is its own)."""
+
+    def __init__(self, buffers: list[Any]) -> None:
+        views = [memoryview(buffer).cast("B") for buffer in buffers]
+        self.token = int.from_bytes(os.urandom(8), "little") | 1
+        self.spans: list[tuple[int, int]] = []
+        place = ALIGN_BYTES
+        for view in views:
+            self.spans.append((place, len(view)))
+            place += (len(view) + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+        self.fd = os.memfd_create("gloader-payload", os.MFD_CLOEXEC)
+        self.pid = os.getpid()
+        try:
+            os.ftruncate(self.fd, place)
+            os.pwrite(self.fd, self.token.to_bytes(8, "little"), 0)
+            for (start, _), view in zip(self.spans, views):
+                written = 0
+                while written < len(view):
+                    written += os.pwrite(self.fd, view[written:], start + written)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        weakref.finalize(self, os.close, self.fd)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.spans)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_MappedBuffers, (self.pid, self.fd, self.token, self.spans))
+
+    def views(self) -> list[memoryview]:
+        """In the caller itself (a payload loaded where it was made): the segment, mapped too."""
+        return _MappedBuffers(self.pid, self.fd, self.token, self.spans).views()
+
+
+class _MappedBuffers:
+    """A worker's side of `SharedBuffers`: the caller's segment, mapped copy-on-write."""
+
+    def __init__(self, pid: int, fd: int, token: int, spans: list[tuple[int, int]]) -> None:
+        self._where = (pid, fd, token)
+        self.spans = spans
+
+    def views(self) -> list[memoryview]:
+        pid, fd, token = self._where
+        size = (self.spans[-1][0] + self.spans[-1][1]) if self.spans else ALIGN_BYTES
+        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            mapped = mmap.mmap(local, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(local)
+        if int.from_bytes(mapped[:8], "little") != token:
+            mapped.close()
+            raise RuntimeError(f"the payload's shared buffers (descriptor {fd} of process {pid}) are not the ones "
+                               "the loader wrote: its process has reused the descriptor (the loader was closed)")
+        whole = memoryview(mapped)
+        return [whole[start:start + length] for start, length in self.spans]

@@ -8,13 +8,16 @@ workers can unpickle it. Nothing here starts a process or touches CUDA.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch.utils.data as torch_data
 
+from ._records import SharedDict, SharedList, held_once
 from .sampler import dataset_length
 
-__all__ = ["ArrayDataset", "Dataset", "IterableDataset", "SimpleDataset"]
+__all__ = ["ArrayDataset", "Dataset", "IterableDataset", "SharedDict", "SharedList", "SimpleDataset",
+           "shared_copy"]
 
 _T_co = TypeVar("_T_co", covariant=True)
 
@@ -181,3 +184,38 @@ class _SampledDataset(Dataset[Any]):
 
     def __getitem__(self, idx: int) -> Any:
         return self._data[self._indices[idx]]
+
+
+def shared_copy(dataset: Any) -> Any:
+    """What worker processes load from in place of `dataset`: the same samples, with the lists
+    of Python objects inside gloader's own datasets (SimpleDataset, ArrayDataset, the datasets
+    their transform, filter, shard, take and sample make, and torch's ConcatDataset of them), or
+    a plain list given as the dataset, held once (`_records.held_once`). `dataset` itself when
+    nothing changes; a shallow copy otherwise, so that the caller's dataset stays as it is (a
+    change made to it between epochs is still seen, see `_snapshot`). A dataset of another class
+    is left alone: its own lists are its business (a warning says when they are large)."""
+    if isinstance(dataset, list):
+        return held_once(dataset)
+    if type(dataset) in _OWN:
+        fields = {name: _shared_field(value) for name, value in vars(dataset).items()}
+        changed = {name: value for name, value in fields.items() if value is not vars(dataset)[name]}
+    elif type(dataset) is torch_data.ConcatDataset:
+        parts = [shared_copy(part) for part in dataset.datasets]
+        changed = {"datasets": parts} if any(a is not b for a, b in zip(parts, dataset.datasets)) else {}
+    else:
+        return dataset
+    if not changed:
+        return dataset
+    held = copy.copy(dataset)
+    held.__dict__.update(changed)
+    return held
+
+
+def _shared_field(value: Any) -> Any:
+    if isinstance(value, tuple) and all(hasattr(item, "__getitem__") for item in value):  # ArrayDataset's arrays
+        held = tuple(shared_copy(item) for item in value)
+        return value if all(a is b for a, b in zip(held, value)) else held
+    return shared_copy(value) if isinstance(value, (list, Dataset)) else value
+
+
+_OWN = (SimpleDataset, ArrayDataset, _LazyTransformDataset, _SampledDataset)

@@ -279,9 +279,12 @@ class DataLoader(TorchAttributes[_T_co]):
         return f"DataLoader(id={self._id}, {kind}, prefetch={opts.prefetch}, {'closed' if self._closed else 'open'})"
 
 
-def _make_payload(config: LoaderConfig, pickled: bool, *, schedule: Schedule) -> Any:
-    """What the workers register for this loader (see `_payload`)."""
-    payload = build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, pickled)
+def _make_payload(config: LoaderConfig, pickled: bool, *, schedule: Schedule, shared: bool = True) -> Any:
+    """What the workers register for this loader (see `_payload`); `shared`: its large buffers
+    in shared memory (False: for Ray's object store)."""
+    processes = config.num_workers > 0 and not config.thread_pool
+    payload = build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, pickled,
+                            shared, processes)
     payload.fetch_threads = config.fetch_threads
     return payload
 

@@ -904,3 +904,27 @@ class GatedLoads(gloader.Dataset):
             self.gate.wait(10.0)
         self.loaded.append(idx)
         return np.array([idx], dtype=np.int64)
+
+
+def worker_store(sample: Any) -> Any:
+    """A transform that answers with the class of the records the loading worker reads: the
+    SimpleDataset under the transform, in the worker's copy of the dataset."""
+    info = gloader.get_worker_info()
+    return type(info.dataset._data._data).__name__ if info is not None else "caller"
+
+
+class ManyRecords(gloader.Dataset):
+    """A dataset of the user's own, holding a large list (and a dict) of Python objects."""
+
+    def __init__(self, length: int = 20_000, shared: bool = False) -> None:
+        records = [{"id": i, "name": f"n{i}"} for i in range(length)]
+        self.records: Any = gloader.SharedList(records) if shared else records
+        self.lookup: Any = {i: i * 2 for i in range(length)}
+        if shared:
+            self.lookup = gloader.SharedDict(self.lookup)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> Any:
+        return np.array([self.records[i]["id"], self.lookup[i]])

@@ -418,7 +418,7 @@ def test_the_report_gives_the_batching_floor_over_tensorpack_beside_the_ceiling(
 
 
 def test_the_report_names_the_machine_it_ran_on() -> None:
-    results = bench.run(quick=True, rounds=1, only={"W5"})
+    results = bench.run(quick=True, rounds=1, only={"W13"})
     line = next(line for line in bench.report(results).splitlines() if line.startswith("Machine: "))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert f", {cpus} CPUs usable;" in line and f"torch {torch.__version__}," in line
@@ -593,3 +593,18 @@ def test_the_samplers_workload_reports_each_samplers_cost_beside_the_plain_one()
     loaded = results["W13"]["loaded"]
     placed = next(line for line in lines if line.startswith("| DistributedBatchSampler, each sample seeded"))
     assert f"({loaded['placed'][0] / loaded['plain'][0]:.3g}" in placed.replace("x |", "")
+
+
+def test_the_held_once_workload_measures_each_run_in_a_fresh_process_and_reports_both_loaders() -> None:
+    from gloader.bench import held
+
+    runs = {loader: held._run_one("fork", "list of dicts", loader, 2, 20_000) for loader in ("gloader", "torch")}
+    assert all(len(run["growth_mb"]) == 2 and run["first_s"] > 0 for run in runs.values())
+    spawned = held._run_one("spawn", "dict of lists", "gloader", 2, 20_000)
+    assert len(spawned["uss_mb"]) == 2 and min(spawned["uss_mb"]) > 0
+    fake = {"length": 20_000, "fork": {f"{store}|{loader}": runs[loader] for store in held.STORES
+                                       for loader in ("gloader", "torch")},
+            "spawn": {f"{store}|{loader}|2": spawned for store in (*held.STORES, "ints") for loader in ("gloader", "torch")}}
+    lines = held.report_held({"W5": fake})
+    assert sum(line.startswith("| list of dicts |") for line in lines) == 2  # a fork row and a spawn row
+    assert any(line.startswith("| 1,000 ints (starting the processes alone) | 2 |") for line in lines)

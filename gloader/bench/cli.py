@@ -37,7 +37,9 @@ Workloads:
         between epochs (see `gloader.bench.gaps`).
     W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data);
         and the time of an epoch stopped halfway, from iter() (`limit_train_batches`).
-    W5, W6 memory: copy-on-write growth and shared pools; see `gloader.bench.memory`.
+    W5 a dataset held once: what a list of dicts, a dict of lists and numpy arrays cost each worker,
+        fork growth and spawn start-up, beside torch; see `gloader.bench.held`.
+    W6 shared pools: train and val loaders on one pool or a pool each; see `gloader.bench.memory`.
     W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench.device`.
     W11 remote storage: JPEGs from a local HTTP server that answers after 5 ms; torch and
         gloader with 2, 8 and 32 workers, gloader with 2 and fetch_threads='auto', and gloader
@@ -66,6 +68,7 @@ import torch
 from .cluster import W3_SAMPLES, measure_ray
 from .datasets import CpuBoundDataset, calibrate_cpu_work
 from .gaps import GAP_LOADERS, measure_gaps
+from .held import held_runs
 from .remote import measure_remote, remote_loader_names
 from .reporting import (
     SUMMARY_END,
@@ -117,10 +120,11 @@ def run(quick: bool, rounds: int, only: set[str] | None = None, peers: bool = Tr
     with_ray = peers and (only is None or "W12" in only)
     steps = sum(2 + (len(PEERS.get(w.name, ())) if peers else 0) for w in workloads) + with_latency * 2 + \
         with_remote * len(remote_loader_names())
+    held_steps = held_runs(quick) if peers and (only is None or "W5" in only) else 0
     gap_rounds = min(rounds, _GAP_ROUNDS)
     ray_rounds = min(rounds, _RAY_ROUNDS)
     progress = Progress(rounds * steps + len(scaling) * len(SCALING_WORKERS) * 2 * rounds
-                        + len(scaling) * len(GAP_LOADERS) * gap_rounds + with_ray * ray_rounds * 10)
+                        + len(scaling) * len(GAP_LOADERS) * gap_rounds + with_ray * ray_rounds * 10 + held_steps)
     datasets = {}
     for work in workloads:
         datasets[work.name] = work.make()  # once: W8's JPEGs are read from their cache
@@ -134,7 +138,7 @@ def run(quick: bool, rounds: int, only: set[str] | None = None, peers: bool = Tr
                                         for w in scaling}, quick, gap_rounds, progress.step)
         done("scaling", "gaps")
     if peers:
-        _run_memory(quick, only, results)
+        _run_memory(quick, only, results, progress.step)
         done("W5", "W6")
     if with_remote:
         results["W11"] = measure_remote(quick, rounds, progress.step)
@@ -164,12 +168,12 @@ def run(quick: bool, rounds: int, only: set[str] | None = None, peers: bool = Tr
     return results
 
 
-def _run_memory(quick: bool, only: set[str] | None, results: dict[str, Any]) -> None:
-    from .memory import measure_copy_on_write, measure_shared_pool
+def _run_memory(quick: bool, only: set[str] | None, results: dict[str, Any], step: Callable[[str], None]) -> None:
+    from .held import measure_held
+    from .memory import measure_shared_pool
 
     if only is None or "W5" in only:
-        sys.stderr.write("W5 copy-on-write ...\n")
-        results["W5"] = measure_copy_on_write(quick)
+        results["W5"] = measure_held(quick, step)
     if only is None or "W6" in only:
         sys.stderr.write("W6 shared pool ...\n")
         results["W6"] = measure_shared_pool(quick)

@@ -35,10 +35,11 @@ def report(results: dict[str, Any], heading: bool = True) -> str:
                      f"{summary(res['mb_per_s']['torch'])} | **{summary(res['ratio'])}x** |")
     lines += _report_peers(results) + _report_scaling(results) + report_gaps(results) + _report_latency(results)
     from .device import report_device
+    from .held import report_held
     from .memory import report_memory
     from .samplers import report_samplers
 
-    return "\n".join(lines + report_memory(results) + report_device(results) + report_remote(results)
+    return "\n".join(lines + report_held(results) + report_memory(results) + report_device(results) + report_remote(results)
                      + report_ray(results) + report_samplers(results)).strip("\n")
 
 
