@@ -57,12 +57,9 @@ _TASK_TARGET_S = 0.1
 # take (the caller waits that long at most, once per batch over its timeout).
 _PROBE_GROUP = "probe"
 _PROBE_S = 5.0
-# A task waits this long for an actor Ray has not placed (started) before it goes to one that is
-# placed, and is looked at this often while it waits. Longer: fewer tasks moved from an actor
-# slow to start on a busy machine (it would run them for nothing); shorter: a cluster without
-# room for every actor costs less at the start.
-_PLACEMENT_GRACE_S = 5.0
-_PLACEMENT_LOOK_S = 1.0
+# While a task waits for an actor Ray has not placed (started) yet, it is looked at this often,
+# to go to one that is placed (it is cancelled where it waited: see `_RayResult._move_if_unplaced`).
+_PLACEMENT_LOOK_S = 0.5
 # Ray frees an ended actor's resources a moment after `ray.kill`: a loader's start looks again for
 # this long before it says its actors wait for resources held by others.
 _FREEING_S = 1.0
@@ -257,8 +254,8 @@ class _RayResult:
                 self._move_if_unplaced()
 
     def _move_if_unplaced(self) -> None:
-        """Send the task to a placed actor when its own has not been placed for long (the
-        cluster has no room for it: see `OnRay.unplaced`); it is cancelled where it waited."""
+        """Send the task to a placed actor while its own is not placed (starting, or waiting for
+        room: see `OnRay.unplaced`); it is cancelled where it waited, so nothing runs twice."""
         backend = self._backend
         if backend.unplaced(self.worker):
             with contextlib.suppress(Exception):  # a call Ray cannot cancel is dropped when it ends
@@ -400,7 +397,7 @@ class OnRay:
         self._actor_class = self.ray.remote(**options)(RayWorker)
         self._pending: dict[int, Any] = {}  # worker id -> its actor's ready() while Ray has not placed it
         _warn_if_no_room(self.ray, pool, config.timeout_s)
-        self._started = time.monotonic()
+        self._placement_deadline = time.monotonic() + config.timeout_s  # see dispatch
         self._actors: list[Any] = [self._start(worker) for worker in range(self.count)]
         self._loads = [0] * self.count  # tasks in flight per worker id
         self._next = 0
@@ -412,8 +409,14 @@ class OnRay:
 
     def dispatch(self, epoch: int, batches: tuple[tuple[int, int, Any], ...]) -> tuple[int, Any, Any]:
         """Send a task to a placed worker with the fewest in flight (in turn among equals); to
-        one Ray has not placed yet (its calls wait for it) only when none is placed. Never waits:
-        while none is placed, a batch fails at its own timeout, saying why (see `why_late`)."""
+        one Ray has not placed yet (its calls wait for it) only when none is placed. While none
+        is, the loader's first tasks wait for the first to start, up to one `timeout` from the
+        start in all (an actor's start is not a batch's time); after that, a batch whose actor is
+        not placed fails at its own timeout, saying why (see `why_late`)."""
+        left = self._placement_deadline - time.monotonic()
+        if left > 0 and len(self._pending) == self.count:
+            with self.connected():
+                self.ray.wait(list(self._pending.values()), num_returns=1, timeout=left, fetch_local=False)
         self._look_for_placed()
         order = [(self._next + offset) % self.count for offset in range(self.count)]
         worker = min(order, key=lambda worker: (worker in self._pending, self._loads[worker]))
@@ -437,10 +440,8 @@ class OnRay:
         return worker in self._pending
 
     def unplaced(self, worker: int) -> bool:
-        """Whether the actor of `worker` has waited to be placed past _PLACEMENT_GRACE_S while
-        another is placed: its tasks go to those."""
-        return (time.monotonic() - self._started > _PLACEMENT_GRACE_S and self.waits_for_placement(worker)
-                and len(self._pending) < self.count)
+        """Whether the actor of `worker` is not placed while another is: its tasks go to those."""
+        return self.waits_for_placement(worker) and len(self._pending) < self.count
 
     def why_late(self) -> str | None:
         """What a batch over its timeout was waiting for, when it is not the dataset: actors Ray
