@@ -366,15 +366,22 @@ class Schedule:
         for key in ("epoch", "batches_yielded", "seed"):
             if not is_int(state[key]) or state[key] < 0:
                 raise ValueError(f"state[{key!r}] must be an integer >= 0, got {state[key]!r}")
-        self._check_made_for(state)
         self._upcoming = None
+        previous = self._sampler_state()
         if state["sampler"] is not None and hasattr(self._sampler, "load_state_dict"):
             self._sampler.load_state_dict(state["sampler"])
             self._mark_seen()
-        length = len(self._sampler) if hasattr(self._sampler, "__len__") else None
-        if length is not None and state["batches_yielded"] > length:
-            raise ValueError(f"state['batches_yielded']={state['batches_yielded']} exceeds the {length} batches "
-                             "of the saved epoch; pass a state made by this loader's state_dict()")
+        try:
+            length = len(self._sampler) if hasattr(self._sampler, "__len__") else None
+            if length is not None and state["batches_yielded"] > length:
+                raise ValueError(f"state['batches_yielded']={state['batches_yielded']} exceeds the {length} batches "
+                                 "of the saved epoch; pass a state made by this loader's state_dict()")
+            self._check_made_for(state)
+        except ValueError:  # the loader stays where it was
+            if previous is not None and hasattr(self._sampler, "load_state_dict"):
+                self._sampler.load_state_dict(previous)
+                self._mark_seen()
+            raise
         self._next_number = int(state["epoch"])
         self._resume_skip = int(state["batches_yielded"])
         self._base_seed = int(state["seed"])

@@ -13,7 +13,7 @@ from gloader import batchify, sampler
 def test_all_is_sorted_and_exact() -> None:
     assert gloader.__all__ == sorted(gloader.__all__)
     assert set(gloader.__all__) == {"ArrayDataset", "BatchTimeoutError", "DataLoader", "Dataset", "IterableDataset", "RayPool",
-                                    "SimpleDataset", "WorkerExitedError", "WorkerInfo", "WorkerPool", "batchify",
+                                    "SharedDict", "SharedList", "SimpleDataset", "WorkerExitedError", "WorkerInfo", "WorkerPool", "batchify",
                                     "get_worker_info", "sampler"}
     assert set(batchify.__all__) >= {"Dict", "Group", "List", "NamedTuple", "Pad", "Stack", "Tuple",
                                         "default_batchify_fn"}
