@@ -7,10 +7,10 @@ reused shared memory, which the caller maps without copying. `RayPool` runs them
 actors across a cluster instead.
 """
 from . import batchify, sampler
-from ._protocol import BatchTimeoutError, WorkerExitedError
-from ._ray import RayPool
-from ._registry import WorkerInfo, get_worker_info
-from ._shared_pool import WorkerPool
+from ._places.ray import RayPool
+from ._places.shared import WorkerPool
+from ._wire.protocol import BatchTimeoutError, WorkerExitedError
+from ._worker.registry import WorkerInfo, get_worker_info
 from .dataset import ArrayDataset, Dataset, IterableDataset, SharedDict, SharedList, SimpleDataset
 from .loader import DataLoader
 

@@ -18,7 +18,7 @@ import torch
 
 from ._checks import check_flag
 from ._math import round_up
-from ._plans import (
+from ._wire.plans import (
     UnequalSamplesError,
     build_planned,
     check_dtype,
@@ -29,7 +29,7 @@ from ._plans import (
     plan_stack,
     sample_tensor,
 )
-from ._tree import Leaf, Opaque, as_torch_dtype, map_structure, plan_from_value
+from ._wire.tree import Leaf, Opaque, as_torch_dtype, map_structure, plan_from_value
 
 __all__ = ["Append", "AsList", "Dict", "Group", "List", "NamedTuple", "Pad", "Stack", "Tuple", "UnequalSamplesError",
            "build_planned", "default_batchify_fn", "plan_batch"]

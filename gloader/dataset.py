@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch.utils.data as torch_data
 
-from ._records import SharedDict, SharedList, held_once
-from .sampler import dataset_length
+from ._datasets.records import SharedDict, SharedList, held_once
+from ._sampling.samplers import dataset_length
 
 __all__ = ["ArrayDataset", "Dataset", "IterableDataset", "SharedDict", "SharedList", "SimpleDataset",
            "shared_copy"]
@@ -190,9 +190,9 @@ def shared_copy(dataset: Any) -> Any:
     """What worker processes load from in place of `dataset`: the same samples, with the lists
     of Python objects inside gloader's own datasets (SimpleDataset, ArrayDataset, the datasets
     their transform, filter, shard, take and sample make, and torch's ConcatDataset of them), or
-    a plain list given as the dataset, held once (`_records.held_once`). `dataset` itself when
+    a plain list given as the dataset, held once (`_datasets.records.held_once`). `dataset` itself when
     nothing changes; a shallow copy otherwise, so that the caller's dataset stays as it is (a
-    change made to it between epochs is still seen, see `_snapshot`). A dataset of another class
+    change made to it between epochs is still seen, see `_caller.snapshot`). A dataset of another class
     is left alone: its own lists are its business (a warning says when they are large)."""
     if isinstance(dataset, list):
         return held_once(dataset)

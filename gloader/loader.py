@@ -1,29 +1,30 @@
 """DataLoader: Gluon's DataLoader API on a persistent, supervised worker pool.
 
 A facade: it checks the arguments into a `LoaderConfig` (torch's attributes read it:
-`_attributes`), and delegates the epochs served and the position to `Serving`, their
+`_caller.attributes`), and delegates the epochs served and the position to `Serving`, their
 batches to a `Schedule`, loading to an `Engine` and iteration to an `EpochIterator`. The
-flow is drawn in `_engine`.
+flow is drawn in `_caller.engine`.
 """
 from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
-from . import _shared_pool
-from ._attributes import IN_VARS, TorchAttributes
-from ._device import DevicePipeline, warn_if_cannot_pin
-from ._engine import Engine
-from ._options import LoaderConfig, warn_if_every_rank_loads_everything
-from ._payload import build_payload
-from ._ray import RayPool
-from ._schedule import Schedule
-from ._seed import draw_base_seed
-from ._serving import LatestIterator, Serving
-from ._shared_pool import WorkerPool
-from ._stats import PipelineStats
+from ._caller.attributes import IN_VARS, TorchAttributes, changed_config
+from ._caller.device import DevicePipeline, warn_if_cannot_pin
+from ._caller.engine import Engine
+from ._caller.options import LoaderConfig, warn_if_every_rank_loads_everything
+from ._caller.payload import build_payload
+from ._caller.serving import LatestIterator, Serving
+from ._caller.stats import PipelineStats
+from ._places import shared as _shared_pool
+from ._places.ray import RayPool
+from ._places.shared import WorkerPool
+from ._sampling.schedule import Schedule
+from ._wire.seed import draw_base_seed
 
 __all__ = ["DataLoader"]
 
@@ -161,8 +162,8 @@ class DataLoader(TorchAttributes[_T_co]):
     def _change_setting(self, name: str, value: Any) -> None:
         """`loader.<name> = value`, for the attributes torch lets code set after construction
         (Lightning sets `worker_init_fn`): checked now, used from the next iter() on (see
-        `LoaderConfig.with_setting`)."""
-        self._options = self._options.with_setting(name, value)
+        `changed_config`)."""
+        self._options = changed_config(self._options, name, value)
         if name in IN_VARS:
             self.__dict__[name] = value  # as given, as at construction
         if name == "pin_memory" and self._options.pin_memory:
@@ -280,7 +281,7 @@ class DataLoader(TorchAttributes[_T_co]):
 
 
 def _make_payload(config: LoaderConfig, pickled: bool, *, schedule: Schedule, shared: bool = True) -> Any:
-    """What the workers register for this loader (see `_payload`); `shared`: its large buffers
+    """What the workers register for this loader (see `_caller.payload`); `shared`: its large buffers
     in shared memory (False: for Ray's object store)."""
     processes = config.num_workers > 0 and not config.thread_pool
     payload = build_payload(config.dataset, config.batchify_fn, config.worker_init_fn, schedule.base_seed, pickled,
@@ -296,6 +297,18 @@ def _close_unreferenced(engine: Engine, latest: LatestIterator) -> None:
     first batch starts the workers, which nothing would stop before exit otherwise."""
     iterator = latest.ref() if latest.ref is not None else None
     if iterator is not None:
-        weakref.finalize(iterator, engine.close_from_gc)
+        weakref.finalize(iterator, _close_collected, engine)
         return
-    engine.close_from_gc()
+    _close_collected(engine)
+
+
+def _close_collected(engine: Engine) -> None:
+    """Close a collected loader's workers, and say so when they were still running. Where
+    warnings are errors (`python -W error`, pytest's `filterwarnings = error`) the warning
+    is raised, so it is given only after the workers have stopped."""
+    running = engine.workers.backend is not None and engine.workers.backend.has_workers
+    engine.stop_workers()
+    if running:
+        warnings.warn("a gloader DataLoader with running workers was garbage-collected without close(); "
+                      "use `with DataLoader(...) as loader:` or call loader.close()", ResourceWarning,
+                      stacklevel=2)

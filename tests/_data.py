@@ -329,7 +329,7 @@ class RegistryProbe(gloader.Dataset):
         return self.length
 
     def __getitem__(self, idx: int) -> Any:
-        from gloader import _registry
+        from gloader._worker import registry as _registry
 
         ids = _registry.registered_ids()[:6]
         return np.array([self.tag, idx, os.getpid(), len(ids)] + ids + [-1] * (6 - len(ids)), dtype=np.int64)

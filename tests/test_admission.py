@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 import gloader
-from gloader import DataLoader, WorkerExitedError, WorkerPool, _admission, _pool
-from gloader._pooldir import ProcessLock
+from gloader import DataLoader, WorkerExitedError, WorkerPool
+from gloader._pool import admission as _admission
+from gloader._pool import core as _pool
+from gloader._pool.directory import ProcessLock
 from tests import _data
 
 pytestmark = pytest.mark.timeout(60)

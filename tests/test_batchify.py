@@ -334,7 +334,7 @@ def test_a_field_of_several_dtypes_is_promoted_as_torchs_default_collate_does(fi
 def test_numpy_without_casting_in_stack_batches_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """numpy before 1.24 (which MXNet 1.9 needs) has no casting= in np.stack; its fill by
     concatenation gives the same batches, promoted dtypes included."""
-    from gloader import _plans
+    from gloader._wire import plans as _plans
 
     monkeypatch.setattr(_plans, "_STACK_CASTS", False)
     cases = [*_MIXED_DTYPES, (np.float32(1.5), np.float32(2.5)), (np.int64(3), np.int64(4))]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gloader import DataLoader
-from gloader._device import DEVICE_STAGE_HOLDS, DevicePipeline
+from gloader._caller.device import DEVICE_STAGE_HOLDS, DevicePipeline
 from gloader.bench.datasets import ImageDataset
 from tests import _data
 from tests.conftest import wait_until

@@ -21,7 +21,9 @@ import psutil
 import pytest
 
 import gloader
-from gloader import BatchTimeoutError, DataLoader, _pooldir, _task
+from gloader import BatchTimeoutError, DataLoader
+from gloader._caller import task as _task
+from gloader._pool import directory as _pooldir
 from tests import _data
 from tests.conftest import dev_shm_names, payload_dirs, segment_sizes, semaphore_names, wait_until
 
@@ -107,7 +109,7 @@ def test_an_exit_rung_before_the_caller_cleared_its_event_does_not_leave_it_asle
     class Exits:
         exited = 0
 
-    task = _task.Task([gloader._protocol.Job(0, 0, 0, b"")], None)
+    task = _task.Task([gloader._wire.protocol.Job(0, 0, 0, b"")], None)
     task.result, exits = Pending(), Exits()
     Pending.progress.set()  # rung for an exit the caller has not looked at
     exits.exited = 1
@@ -314,7 +316,7 @@ def test_a_ctrl_c_whose_wait_then_fails_to_release_its_lock_is_still_a_keyboard_
     wait = threading.Event.wait
 
     def interrupted_in_the_caller(event: threading.Event, timeout: float | None = None) -> bool:
-        if sys._getframe(1).f_globals.get("__name__") != "gloader._task":
+        if sys._getframe(1).f_globals.get("__name__") != "gloader._caller.task":
             return wait(event, timeout)
         try:
             raise KeyboardInterrupt
@@ -335,7 +337,7 @@ def test_a_ctrl_c_while_a_dropped_batch_gives_its_slot_back_reaches_the_loop(tmp
     drops it: a Ctrl-C that landed then was lost and the loop went on (2 of 16 trials). Here
     giving back is made slow, so that the Ctrl-C lands in it."""
     with _run_script(tmp_path, """
-        from gloader import _caller_slots
+        from gloader._caller import slots as _caller_slots
         release = _caller_slots.SlotPool.release
 
         def slow_release(self, *args):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from gloader import DataLoader, _fetch
+from gloader import DataLoader
+from gloader._worker import fetch as _fetch
 from tests import _data
 from tests.conftest import take_all
 

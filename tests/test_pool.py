@@ -19,7 +19,9 @@ import pytest
 import torch
 
 import gloader
-from gloader import DataLoader, WorkerPool, _pooldir, _process_setup
+from gloader import DataLoader, WorkerPool
+from gloader._pool import directory as _pooldir
+from gloader._worker import setup as _process_setup
 from tests import _data
 from tests.conftest import payload_dirs
 
@@ -77,7 +79,7 @@ def test_loader_joins_running_pool_and_leaving_drops_its_dataset_from_workers() 
 
 
 def test_thread_pool_loader_close_unregisters_its_dataset() -> None:
-    from gloader import _registry
+    from gloader._worker import registry as _registry
 
     with DataLoader(np.arange(8), batch_size=2, num_workers=2, thread_pool=True) as loader:
         list(loader)
@@ -152,7 +154,7 @@ def test_a_task_reader_killed_mid_message_leaves_the_whole_task_for_the_next_rea
 
     import multiprocess
 
-    from gloader._mpclasses import TrackedQueue
+    from gloader._pool.mpclasses import TrackedQueue
     from tests.conftest import wait_until
 
     ctx = multiprocess.get_context("fork")
@@ -191,7 +193,7 @@ def _close_task_queue(tasks) -> None:
 
 
 def _claim_then_die(tasks, record: str) -> None:
-    from gloader import _mppool
+    from gloader._pool import mp as _mppool
 
     def claim(task) -> None:
         with open(record, "w") as handle:
@@ -207,7 +209,7 @@ def test_a_worker_claims_a_task_before_taking_it_so_a_death_between_loses_nothin
     between can name a task it did not take, but never take one unnamed."""
     import multiprocess
 
-    from gloader._mpclasses import TrackedQueue
+    from gloader._pool.mpclasses import TrackedQueue
 
     ctx = multiprocess.get_context("fork")
     tasks = TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
@@ -235,7 +237,8 @@ def test_a_task_larger_than_the_socket_holds_reaches_its_reader_whole(tmp_path, 
 
     import multiprocess
 
-    from gloader import _mpclasses, _mppool
+    from gloader._pool import mp as _mppool
+    from gloader._pool import mpclasses as _mpclasses
 
     if atomic_bytes is not None:
         monkeypatch.setattr(_mppool, "ATOMIC_TASK_BYTES", atomic_bytes)
@@ -269,7 +272,8 @@ def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_res
 
     import multiprocess
 
-    from gloader import _mpclasses, _mppool
+    from gloader._pool import mp as _mppool
+    from gloader._pool import mpclasses as _mpclasses
     from tests.conftest import wait_until
 
     ctx = multiprocess.get_context("fork")
@@ -306,7 +310,8 @@ def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_w
 
     import multiprocess
 
-    from gloader import _mpclasses, _mppool
+    from gloader._pool import mp as _mppool
+    from gloader._pool import mpclasses as _mpclasses
 
     ctx = multiprocess.get_context("fork")
     results = _mpclasses.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="results")
@@ -326,7 +331,7 @@ def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_w
 
 def test_a_result_queue_left_open_at_interpreter_exit_closes_its_lock_quietly(tmp_path) -> None:
     # Its lock's __del__ may run after the os module is torn down.
-    code = ("import multiprocess\nfrom gloader._mpclasses import TrackedQueue\n"
+    code = ("import multiprocess\nfrom gloader._pool.mpclasses import TrackedQueue\n"
             f"queue = TrackedQueue(ctx=multiprocess.get_context('fork'), lock_dir={str(tmp_path)!r}, "
             "name='results')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -336,7 +341,7 @@ def test_a_result_queue_left_open_at_interpreter_exit_closes_its_lock_quietly(tm
 def test_a_sweep_removes_pool_directories_that_no_living_process_holds(tmp_path) -> None:
     import fcntl
 
-    from gloader import _pooldir
+    from gloader._pool import directory as _pooldir
 
     def made(name: str, alive: bool, age_s: float = 0.0) -> str:
         path = tmp_path / f"gloader-payload-{name}"
@@ -368,7 +373,7 @@ def test_a_sweep_removes_pool_directories_that_no_living_process_holds(tmp_path)
 
 
 def test_a_pool_directory_is_marked_alive_and_removed_on_close() -> None:
-    from gloader import _pooldir
+    from gloader._pool import directory as _pooldir
 
     directory = _pooldir.PoolDirectory()
     try:
@@ -382,7 +387,8 @@ def test_a_pool_directory_is_marked_alive_and_removed_on_close() -> None:
 
 
 def test_a_pool_that_fails_to_start_removes_its_directory(monkeypatch) -> None:
-    from gloader import _mpclasses, _pool
+    from gloader._pool import core as _pool
+    from gloader._pool import mpclasses as _mpclasses
 
     def no_pool() -> Any:
         def start(*args: Any, **kwargs: Any) -> Any:
@@ -397,7 +403,7 @@ def test_a_pool_that_fails_to_start_removes_its_directory(monkeypatch) -> None:
 
 
 def test_a_pool_closed_by_a_second_ctrl_c_still_removes_its_directory(monkeypatch) -> None:
-    from gloader import _pool
+    from gloader._pool import core as _pool
 
     before = payload_dirs()
     core = _pool.make_core(2, False, "fork", [])
@@ -472,7 +478,7 @@ def test_files_planted_in_the_shared_temp_directory_neither_hang_nor_reach_a_new
     marker there must not block or steer a new pool, threads included."""
     import tempfile
 
-    from gloader import _pooldir
+    from gloader._pool import directory as _pooldir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     planted = tmp_path / "gloader-payload-planted"
@@ -583,7 +589,7 @@ def _big_bytes(samples: list[Any]) -> bytes:
 def test_a_full_temp_directory_fails_the_batch_naming_the_directory_not_the_worker(monkeypatch) -> None:
     import errno
 
-    from gloader import _mppool
+    from gloader._pool import mp as _mppool
 
     def full(data: bytes, directory: str) -> bytes:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -598,7 +604,7 @@ def test_a_full_temp_directory_fails_the_batch_naming_the_directory_not_the_work
 def test_joining_a_shared_pool_on_a_full_disk_names_the_file_and_the_fix(monkeypatch) -> None:
     import errno
 
-    from gloader import _pool
+    from gloader._pool import core as _pool
 
     def full(obj: Any, handle: Any, protocol: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -632,7 +638,8 @@ def test_closing_while_a_worker_loads_a_batch_nobody_wants_is_quiet(caplog) -> N
 def test_every_name_of_multiprocess_that_the_pool_relies_on_is_in_the_installed_release() -> None:
     """The pool uses names of multiprocess.Pool that are not its API (all listed in _mppool);
     a multiprocess release that renames one fails here, not in a user's pool thread."""
-    from gloader import _mppool, _pool
+    from gloader._pool import core as _pool
+    from gloader._pool import mp as _mppool
 
     core = _pool.make_core(1, False, "fork", [])
     try:
@@ -643,7 +650,8 @@ def test_every_name_of_multiprocess_that_the_pool_relies_on_is_in_the_installed_
 
 
 def test_a_renamed_name_of_multiprocess_is_named_when_a_pool_is_made(monkeypatch) -> None:
-    from gloader import _mppool, _pool
+    from gloader._pool import core as _pool
+    from gloader._pool import mp as _mppool
 
     names = dict(_mppool.MODULE_NAMES, **{"multiprocess.pool": ("worker", "Pool._renamed_in_a_release")})
     monkeypatch.setattr(_mppool, "MODULE_NAMES", names)

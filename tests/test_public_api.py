@@ -66,7 +66,7 @@ def test_each_argument_reaches_the_config_once_and_a_checked_one_is_also_an_attr
     """A new argument is written in three places: the signature (with its doc), a config field
     (for one checked on its own, `_options._argument`) and the loader attribute; the rest
     (the call, the checks' wiring, vars()) follows from those."""
-    from gloader import _options
+    from gloader._caller import options as _options
 
     parameters = inspect.signature(gloader.DataLoader.__init__).parameters
     seen: list[dict] = []

@@ -13,8 +13,8 @@ import torch
 
 import gloader
 from gloader import DataLoader, SharedDict, SharedList, SimpleDataset
-from gloader._payload import build_payload
-from gloader._segment import SharedBuffers
+from gloader._caller.payload import build_payload
+from gloader._wire.segment import SharedBuffers
 from tests import _data
 
 pytestmark = pytest.mark.timeout(120)

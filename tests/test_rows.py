@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from gloader import DataLoader
-from gloader._caller_slots import SlotPool
-from gloader._fetch import Cursor, _fetch_rest
-from gloader._rows import _MIN_ROW_BYTES, load_rows
-from gloader._worker_slots import SlotMaps, SlotSpace
+from gloader._caller.slots import SlotPool
+from gloader._worker.fetch import Cursor, _fetch_rest
+from gloader._worker.rows import _MIN_ROW_BYTES, load_rows
+from gloader._worker.slots import SlotMaps, SlotSpace
 from gloader.batchify import default_batchify_fn
 
 pytestmark = pytest.mark.timeout(60)

@@ -143,22 +143,22 @@ def test_the_loaders_array_path_sends_the_same_batches_and_keeps_the_same_state(
         length: int, batch_size: int, last_batch: str, kind: str) -> None:
     """The schedule takes an epoch of this module's samplers as one index array; over three
     epochs (rollover carries keys across) it must encode exactly the keys iteration yields."""
-    from gloader._protocol import encode_keys
-    from gloader._schedule import _encoded_batches
+    from gloader._sampling.schedule import encoded_batches
+    from gloader._wire.protocol import encode_keys
 
     fast = BatchSampler(_make_inner(kind, length), batch_size, last_batch)
     slow = BatchSampler(_make_inner(kind, length), batch_size, last_batch)
     for _ in range(3):
         assert fast._index_batches() is not None
-        assert list(_encoded_batches(fast)) == [encode_keys(keys) for keys in slow]
+        assert list(encoded_batches(fast)) == [encode_keys(keys) for keys in slow]
         assert fast.state_dict() == slow.state_dict()
 
 
 def test_samplers_of_other_kinds_keep_their_own_iteration() -> None:
     """A subclass that overrides `__iter__`, a carried-over batch of non-integer keys and
     indices beyond int64 are iterated, not taken as an array."""
-    from gloader._protocol import decode_keys
-    from gloader._schedule import _encoded_batches
+    from gloader._sampling.schedule import encoded_batches
+    from gloader._wire.protocol import decode_keys
 
     class Evens(RandomSampler):
         def __iter__(self):
@@ -169,8 +169,8 @@ def test_samplers_of_other_kinds_keep_their_own_iteration() -> None:
     carried = BatchSampler(SequentialSampler(5), 4, "rollover")
     carried.load_state_dict({"prev": ["a", "b"], "sampler": {}})
     assert carried._index_batches() is None
-    assert list(_encoded_batches(carried)) == [["a", "b", 0, 1]]
+    assert list(encoded_batches(carried)) == [["a", "b", 0, 1]]
     assert carried.state_dict()["prev"] == [2, 3, 4]
     huge = BatchSampler(SequentialSampler(3, start=2**63 - 2), 2)
     assert huge._index_batches() is None
-    assert [decode_keys(keys) for keys in _encoded_batches(huge)] == [[2**63 - 2, 2**63 - 1], [2**63]]
+    assert [decode_keys(keys) for keys in encoded_batches(huge)] == [[2**63 - 2, 2**63 - 1], [2**63]]

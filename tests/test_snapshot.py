@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gloader import DataLoader, WorkerPool
-from gloader._snapshot import first_difference, picture
+from gloader._caller.snapshot import first_difference, picture
 from tests import _data
 
 

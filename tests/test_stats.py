@@ -34,7 +34,7 @@ def test_stats_count_batches_and_split_time_per_epoch(mode: dict) -> None:
 def test_stats_list_the_latest_epochs_and_count_all_in_the_total() -> None:
     """Code that starts an epoch per step (`next(iter(loader))`) made one entry a step, kept
     forever (~0.7 KB each); older epochs now count only in the total."""
-    from gloader._stats import _LISTED_EPOCHS
+    from gloader._caller.stats import _LISTED_EPOCHS
 
     with DataLoader(np.arange(64, dtype=np.float32), batch_size=8) as loader:
         list(loader)
@@ -58,7 +58,7 @@ def test_stats_show_an_input_bound_loader() -> None:
 
 @pytest.mark.parametrize("mode", [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "thread_pool": True}])
 def test_stats_split_each_batch_into_the_hops_of_its_trip(mode: dict) -> None:
-    from gloader._stats import HOPS
+    from gloader._caller.stats import HOPS
 
     with DataLoader(_data.SlowEverySample(0.01, length=16), batch_size=2, **mode) as input_bound:
         list(input_bound)
@@ -76,9 +76,9 @@ def test_stats_split_each_batch_into_the_hops_of_its_trip(mode: dict) -> None:
 
 
 def test_stats_say_how_many_workers_of_what_kind_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gloader._options
+    import gloader._caller.options
 
-    monkeypatch.setattr(gloader._options, "usable_cpus", lambda: 3)
+    monkeypatch.setattr(gloader._caller.options, "usable_cpus", lambda: 3)
     with DataLoader(np.arange(8), batch_size=4, num_workers="auto", memory_budget=2**30) as auto:
         assert auto.stats()["workers"] == {
             "count": 3, "kind": "processes", "chosen_by": "num_workers='auto': one per CPU of cpu_budget=3 to start",

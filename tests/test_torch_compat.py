@@ -281,7 +281,7 @@ def test_a_superseded_iterator_raises_instead_of_ending_silently() -> None:
 
 
 def test_a_rank_that_loads_with_a_sampler_not_distributed_warns_once_where_it_iterates(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gloader import _options
+    from gloader._caller import options as _options
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)

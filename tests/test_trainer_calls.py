@@ -187,7 +187,7 @@ def _prepared_as_accelerate_does(loader: DataLoader) -> torch_data.DataLoader:
 
 def test_a_torch_loader_built_from_the_attributes_loads_with_num_workers_0_and_says_gloader_is_left(
         monkeypatch) -> None:
-    from gloader import sampler as gloader_sampler
+    from gloader._sampling import samplers as gloader_sampler
 
     monkeypatch.setattr(gloader_sampler, "_said_iterated_without_the_loader", False)
     with DataLoader(np.arange(16), batch_size=4, shuffle=True) as loader:
@@ -203,7 +203,7 @@ def test_a_torch_loader_built_from_the_attributes_loads_with_num_workers_0_and_s
 
 
 def test_a_seedless_shuffle_follows_torchs_generator_wherever_its_sampler_is_iterated(monkeypatch) -> None:
-    from gloader import sampler as gloader_sampler
+    from gloader._sampling import samplers as gloader_sampler
 
     monkeypatch.setattr(gloader_sampler, "_said_iterated_without_the_loader", True)  # said elsewhere
 

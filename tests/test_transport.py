@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gloader import DataLoader, batchify
-from gloader._caller_slots import SlotPool
-from gloader._dropped import run_dropped
-from gloader._worker_slots import SlotMaps, SlotSpace, pack_batch
+from gloader._caller.dropped import run_dropped
+from gloader._caller.slots import SlotPool
+from gloader._worker.slots import SlotMaps, SlotSpace, pack_batch
 from gloader.batchify import plan_batch
 from tests import _data
 from tests.conftest import dev_shm_names, segment_sizes, wait_until
@@ -276,7 +276,7 @@ def test_forked_workers_do_not_keep_another_loaders_slots() -> None:
 
 
 def test_running_out_of_memory_is_an_error_naming_the_size_and_the_fix(monkeypatch) -> None:
-    from gloader import _caller_slots
+    from gloader._caller import slots as _caller_slots
 
     def no_space(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -476,7 +476,7 @@ def test_answers_published_in_a_slot_reach_the_caller_in_any_order_and_only_for_
 
 
 def test_a_record_not_yet_whole_is_not_taken_for_an_answer(slots) -> None:
-    from gloader import _segment
+    from gloader._wire import segment as _segment
 
     pool, maps = slots
     pool.give_back(None, (0, 0, 4096, None, None))

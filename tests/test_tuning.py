@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import gloader
-from gloader import DataLoader, _tuning
-from gloader._pool import ProcessCore, make_core
-from gloader._protocol import WorkerExitedError
+from gloader import DataLoader
+from gloader._caller import tuning as _tuning
+from gloader._pool.core import ProcessCore, make_core
+from gloader._wire.protocol import WorkerExitedError
 from tests import _data
 from tests.conftest import wait_until
 
@@ -408,7 +409,7 @@ def test_a_dataset_exiting_with_the_retire_code_while_the_pool_shrinks_is_a_deat
     while a retire is pending must not be taken for it: the error names that worker and batch."""
     import threading
 
-    from gloader._mppool import EXIT_RETIRED
+    from gloader._pool.mp import EXIT_RETIRED
 
     quick_windows.setattr(_tuning.Tuner, "_choose", Scripted([]))  # the test resizes, not the tuner
     go, stamp = tmp_path / "go", tmp_path / "pid"

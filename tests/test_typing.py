@@ -1,6 +1,6 @@
 """The package type-checks strictly (mypy --strict, configured in mypy.ini), lints clean
-(ruff: pyflakes, isort, bugbear; ruff.toml), and its imports run one way: each module imports
-only modules on layers below its own, so there is no import circle."""
+(ruff: pyflakes, isort, bugbear; ruff.toml), its imports run one way (no import circle), and
+its folders say where their code runs: a worker-side module never imports a caller-side one."""
 from __future__ import annotations
 
 import ast
@@ -12,27 +12,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# gloader's modules from the bottom up; a module may import only from layers before its own.
-# The caller-side core reads top-down: loader -> _serving -> _iterator -> _engine -> _backends ->
-# _schedule/_options -> _pool -> _worker -> _fetch -> _rows -> the supporting modules.
-LAYERS = [
-    {"_checks", "_math", "_mppool", "_pooldir", "_protocol", "_seed", "_segment", "_waits", "_snapshot", "_tree", "_stats"},
-    {"_admission", "_mpclasses", "_registry", "_caller_slots", "_worker_slots", "_plans", "sampler", "_device"},
-    {"batchify", "dataset", "_payload", "_process_setup", "_rows", "_task", "_sizing", "_datapipes", "_tuning"},
-    {"_fetch"},
-    {"_worker"},
-    {"_deaths"},
-    {"_pool", "_ray"},
-    {"_shared_pool"},
-    {"_options", "_schedule"},
-    {"_backends", "_attributes"},
-    {"_engine"},
-    {"_iterator"},
-    {"_serving"},
-    {"loader"},
-    {"__init__"},
-    {"bench"},
-]
+# The rooms, by side: what runs in a worker (and the wire both sides read) never imports what runs
+# only in the caller; the data side (datasets, samplers, batchify) imports nothing that starts a
+# process or touches CUDA.
+WORKER_SIDE = ("_worker", "_wire", "_datasets")
+CALLER_SIDE = ("_caller", "_places", "loader", "integrations")
+DATA_SIDE = ("_sampling", "_datasets", "sampler", "dataset", "batchify")
+STARTS_PROCESSES = ("_pool", "_places", "_worker", "_caller", "loader", "integrations")
+# At most this many modules directly under gloader/: the rest is in the folders that say where it runs.
+MOST_TOP_MODULES = 12
 
 
 @pytest.mark.timeout(300)
@@ -50,35 +38,89 @@ def test_code_passes_ruff() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def _imports_of(path: str, package_module: bool) -> set[str]:
-    """gloader modules that the file at `path` imports (top level and inside functions)."""
+def _module_of(path: str) -> str:
+    """'_caller.engine' for gloader/_caller/engine.py, '_caller' for its __init__.py."""
+    name = os.path.relpath(path, os.path.join(ROOT, "gloader"))[:-3].replace(os.sep, ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def _imports_of(path: str) -> set[str]:
+    """gloader modules (and packages) that the file at `path` imports, top level and inside functions."""
+    module = _module_of(path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = set()
     with open(path, encoding="utf-8") as handle:
         tree = ast.parse(handle.read())
-    found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module and node.module.startswith("gloader"):
-                parts = node.module.split(".")
-                found.add(parts[1] if len(parts) > 1 else "__init__")
-            elif node.level == 1 and not package_module:
-                found.update([node.module] if node.module else [alias.name for alias in node.names])
-    return found
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level == 0:
+            if node.module and node.module.startswith("gloader"):
+                rest = node.module.partition(".")[2]
+                found.update([rest] if rest else [alias.name for alias in node.names])
+            continue
+        base = package.split(".") if package and package != "__init__" else []
+        base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+        prefix = [*base, *([node.module] if node.module else [])]
+        if node.module:
+            found.add(".".join(prefix))
+        for alias in node.names:
+            candidate = ".".join([*prefix, alias.name])
+            if os.path.exists(os.path.join(ROOT, "gloader", *candidate.split(".")) + ".py"):
+                found.add(candidate)
+    return {name for name in found if name and name != module}
 
 
-def test_modules_import_only_from_layers_below_their_own() -> None:
-    layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-    package = os.path.join(ROOT, "gloader")
-    modules = {name[:-3] for name in os.listdir(package) if name.endswith(".py")}
-    assert modules | {"bench"} == set(layer_of), "every module has a layer"
-    upward = []
-    for name in modules:
-        for target in _imports_of(os.path.join(package, name + ".py"), False) - {name}:
-            if layer_of.get(target, -1) >= layer_of[name]:
-                upward.append(f"{name} imports {target}")
-    bench = os.path.join(package, "bench")
-    for name in os.listdir(bench):
-        if name.endswith(".py"):
-            for target in _imports_of(os.path.join(bench, name), True):
-                if target.startswith("_"):
-                    upward.append(f"bench/{name} imports the private gloader.{target}")
-    assert upward == []
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for folder, _, names in os.walk(os.path.join(ROOT, "gloader")):
+        for name in names:
+            if name.endswith(".py") and "bench" not in os.path.relpath(folder, ROOT).split(os.sep):
+                path = os.path.join(folder, name)
+                graph[_module_of(path)] = _imports_of(path)
+    known = set(graph)
+
+    def known_as(target: str) -> str:
+        while target not in known and "." in target:
+            target = target.rpartition(".")[0]
+        return target if target in known else ""
+
+    return {module: {known_as(t) for t in targets} - {"", module} for module, targets in graph.items()}
+
+
+def _on(module: str, sides: tuple[str, ...]) -> bool:
+    return any(module == side or module.startswith(side + ".") for side in sides)
+
+
+def test_imports_run_one_way_with_no_circle() -> None:
+    graph, layers = _graph(), []
+    remaining = dict(graph)
+    while remaining:
+        layer = {module for module, targets in remaining.items() if not targets & set(remaining)}
+        assert layer, f"import circle among {sorted(remaining)}"
+        layers.append(layer)
+        remaining = {module: targets for module, targets in remaining.items() if module not in layer}
+
+
+def test_worker_side_never_imports_the_caller_and_the_data_side_starts_no_process() -> None:
+    crossing = [f"{module} imports {target}" for module, targets in _graph().items() for target in targets
+                if (_on(module, WORKER_SIDE) and _on(target, CALLER_SIDE))
+                or (_on(module, DATA_SIDE) and module != "_sampling.schedule" and _on(target, STARTS_PROCESSES))]
+    assert crossing == []
+
+
+def test_a_newcomer_finds_few_modules_at_the_top_and_the_rest_in_folders_by_side() -> None:
+    top = sorted(name for name in os.listdir(os.path.join(ROOT, "gloader")) if name.endswith(".py"))
+    assert len(top) <= MOST_TOP_MODULES, top
+    folders = {name for name in os.listdir(os.path.join(ROOT, "gloader"))
+               if os.path.isdir(os.path.join(ROOT, "gloader", name)) and not name.startswith("__")}
+    assert folders == {"_caller", "_worker", "_wire", "_pool", "_places", "_sampling", "_datasets", "bench",
+                       "integrations"}
+
+
+def test_the_benchmark_uses_gloaders_public_api_only() -> None:
+    bench = os.path.join(ROOT, "gloader", "bench")
+    private = [f"bench/{name} imports gloader.{target}" for name in sorted(os.listdir(bench)) if name.endswith(".py")
+               for target in _imports_of(os.path.join(bench, name))
+               if target.startswith("_") and not target.startswith("bench")]
+    assert private == []

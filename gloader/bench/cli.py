@@ -121,8 +121,7 @@ def run(quick: bool, rounds: int, only: set[str] | None = None, peers: bool = Tr
     steps = sum(2 + (len(PEERS.get(w.name, ())) if peers else 0) for w in workloads) + with_latency * 2 + \
         with_remote * len(remote_loader_names())
     held_steps = held_runs(quick) if peers and (only is None or "W5" in only) else 0
-    gap_rounds = min(rounds, _GAP_ROUNDS)
-    ray_rounds = min(rounds, _RAY_ROUNDS)
+    gap_rounds, ray_rounds = min(rounds, _GAP_ROUNDS), min(rounds, _RAY_ROUNDS)
     progress = Progress(rounds * steps + len(scaling) * len(SCALING_WORKERS) * 2 * rounds
                         + len(scaling) * len(GAP_LOADERS) * gap_rounds + with_ray * ray_rounds * 10 + held_steps)
     datasets = {}
@@ -143,13 +142,8 @@ def run(quick: bool, rounds: int, only: set[str] | None = None, peers: bool = Tr
     if with_remote:
         results["W11"] = measure_remote(quick, rounds, progress.step)
         done("W11")
-    if with_ray:  # whole epochs: W3 on fewer samples, W8 on its 2,000 JPEGs
-        on_ray = {w.name: w for w in make_workloads(size, scale, {"W8"}, {})}
-        on_ray_sets = {"W3": (CpuBoundDataset(int(W3_SAMPLES * scale), size), 32)}
-        if "W8" in on_ray:  # the JPEGs W8 read, else read now
-            jpegs = datasets["W8"] if "W8" in datasets else on_ray["W8"].make()
-            on_ray_sets["W8"] = (jpegs, on_ray["W8"].batch_size)
-        results["W12"] = measure_ray(on_ray_sets, quick, ray_rounds, progress.step)
+    if with_ray:
+        results["W12"] = _run_ray(size, scale, datasets, quick, ray_rounds, progress.step)
         done("W12")
     if peers and (only is None or "W13" in only):
         from .samplers import measure_samplers
@@ -166,6 +160,18 @@ def run(quick: bool, rounds: int, only: set[str] | None = None, peers: bool = Tr
         results["W4"] = measure_latency(rounds, 5, progress)
         done("W4")
     return results
+
+
+def _run_ray(size: int, scale: float, datasets: dict[str, Any], quick: bool, rounds: int,
+             step: Callable[[str], None]) -> dict[str, Any]:
+    """W12: whole epochs on a RayPool, W3 on fewer samples and W8 on its 2,000 JPEGs (those W8
+    read, in `datasets`, else read now)."""
+    on_ray = {w.name: w for w in make_workloads(size, scale, {"W8"}, {})}
+    on_ray_sets = {"W3": (CpuBoundDataset(int(W3_SAMPLES * scale), size), 32)}
+    if "W8" in on_ray:
+        jpegs = datasets["W8"] if "W8" in datasets else on_ray["W8"].make()
+        on_ray_sets["W8"] = (jpegs, on_ray["W8"].batch_size)
+    return measure_ray(on_ray_sets, quick, rounds, step)
 
 
 def _run_memory(quick: bool, only: set[str] | None, results: dict[str, Any], step: Callable[[str], None]) -> None:
@@ -203,8 +209,8 @@ def _print_as_measured(results: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the workloads, their rounds, and where the report goes."""
     workloads = __doc__.split("Workloads:\n", 1)[1].split("\n\nUses")[0]
     parser = argparse.ArgumentParser(prog="python -m gloader.bench", description=__doc__.split("\n")[0],
                                      epilog="workloads:\n" + workloads,
@@ -219,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(the machine, versions, date and command of this run included)")
     parser.add_argument("--readme", metavar="README.md", help="also put this run's summary table into that file, "
                         f"between its lines {SUMMARY_START!r} and {SUMMARY_END!r}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = _parser()
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     if rounds < 1:

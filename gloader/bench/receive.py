@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import cluster
+from ..bench import cluster
 from .figures import summary
 
 

@@ -123,7 +123,7 @@ def measure(rounds: int) -> dict[str, Any]:
     looks = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:  # the waiting thread's looks
-        if event == "call" and frame.f_code.co_name == "wait" and frame.f_globals.get("__name__") == "gloader._task":
+        if event == "call" and frame.f_code.co_name == "wait" and frame.f_globals.get("__name__") == "gloader._caller.task":
             looks[0] += 1
 
     sys.setprofile(profile)

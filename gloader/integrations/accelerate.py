@@ -28,7 +28,7 @@ from typing import Any, Iterator
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 
-from .._elastic import GlobalBatchSampler
+from .._sampling.elastic import GlobalBatchSampler
 from ..loader import DataLoader
 
 __all__ = ["AcceleratedLoader"]
