@@ -21,7 +21,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-__all__ = ["Drops", "keep_running", "on_drop", "run_dropped"]
+__all__ = ["MAPPINGS", "Drops", "keep_running", "on_drop", "run_dropped"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +77,12 @@ def keep_running() -> None:
             _runner.start()
 
 
-_GENERIC = Drops()  # what `on_drop` watches: the mappings of the caller's segments
+MAPPINGS = Drops()  # what `on_drop` watches: the mappings of the caller's segments
 
 
 def on_drop(obj: Any, fn: Callable[..., None], *args: Any) -> None:
     """Run `fn(*args)` once `obj` is garbage (see `Drops.watch`)."""
-    _GENERIC.watch(obj, fn, *args)
+    MAPPINGS.watch(obj, fn, *args)
 
 
 def run_dropped() -> None:

@@ -270,8 +270,7 @@ class SlotPool:
         self._max_spare = max_spare
         self._working_set = working_set
         self._max_descriptors = max_descriptors
-        # Re-entrant: a batch freed by the garbage collector while this thread holds the lock
-        # (any allocation inside it can trigger a collection) calls release() right here.
+        # Re-entrant: a release() reached from code run under it (a drop queue run there) cannot deadlock.
         self._lock = threading.RLock()
         self._slots: dict[int, _Lendable] = {}  # token -> slot, lent, held or free
         self._free: list[_Lendable] = []
@@ -297,7 +296,9 @@ class SlotPool:
         drops = self._drops
         lent, room = self._lend_free(batches, most, last_try=not drops.dropped)
         if room and drops.dropped:  # batches the caller dropped since: their slots may be free now
-            _dropped.run_dropped()  # and the mappings of those retired go too
+            drops.run()
+            if _dropped.MAPPINGS.dropped:  # slots retired so: their mappings go now too
+                _dropped.MAPPINGS.run()
             lent, room = self._lend_free(batches, most, last_try=True)
         if not room:
             return lent
