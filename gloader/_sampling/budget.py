@@ -36,7 +36,8 @@ class TokenBudgetBatchSampler(GlobalBatchSampler):
         lengths: each sample's length (tokens), a sequence of ints.
         max_tokens: padded tokens per rank and batch (one of max_tokens and batch_size).
         batch_size: samples per rank and batch instead.
-        num_replicas, rank: as DistributedSampler's (defaults: torch.distributed's).
+        num_replicas: ranks, as DistributedSampler's (default: torch.distributed's world size).
+        rank: this rank, as DistributedSampler's (default: torch.distributed's rank).
         shuffle: shuffle (False: the windows are the order of the indices, sorted within).
         seed: non-negative integer, the same on every rank.
         window: samples sorted by length together; larger: less padding, less randomness.
