@@ -12,6 +12,7 @@ import numpy as np
 import torch.utils.data as torch_data
 
 from .._checks import check_positive_int
+from .samplers import EpochSeeded
 
 __all__ = ["WeightedMixtureSampler", "apportion"]
 
@@ -26,7 +27,7 @@ def apportion(weights: np.ndarray, total: int) -> np.ndarray:
     return counts
 
 
-class WeightedMixtureSampler(torch_data.Sampler[int]):
+class WeightedMixtureSampler(EpochSeeded, torch_data.Sampler[int]):
     """An epoch of `num_samples` indices drawn from several datasets with `weights`, as indices of
     their concatenation (dataset i's index j is `sum(lengths[:i]) + j`, as in
     `torch.utils.data.ConcatDataset`).
@@ -63,30 +64,15 @@ class WeightedMixtureSampler(torch_data.Sampler[int]):
         self.num_samples = sum(lengths) if num_samples is None else check_positive_int("num_samples", num_samples)
         self.exact_every = None if exact_every is None else check_positive_int("exact_every", exact_every)
         self._offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        self._seed = None if seed is None else int(seed)
-        if self._seed is not None and self._seed < 0:
+        if seed is not None and int(seed) < 0:
             raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
-        self._epoch = 0
-        self._epoch_seed: int | None = None
-        self._set_count = 0  # calls of set_epoch/load_state_dict: how a loader tells them from its own draws
+        self._start_epochs(None if seed is None else int(seed))
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
         yield from self._indices().tolist()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next epoch the draw of `epoch`."""
-        self._epoch = int(epoch)
-        self._set_count += 1
-
-    def _prepare_epoch(self) -> None:
-        """Draw a seedless sampler's epoch seed now, so that a state taken before it holds it."""
-        if self._seed is None and self._epoch_seed is None:
-            from .._wire.seed import draw_base_seed
-
-            self._epoch_seed = draw_base_seed()
 
     def _indices(self) -> np.ndarray:
         """One epoch's indices; advances to the next epoch, as iterating does."""
@@ -115,15 +101,6 @@ class WeightedMixtureSampler(torch_data.Sampler[int]):
             size = min(self.exact_every, self.num_samples - start)
             runs.append(rng.permutation(np.repeat(np.arange(len(self.lengths)), apportion(self.weights, size))))
         return np.concatenate(runs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"seed": self._seed, "epoch": self._epoch, "epoch_seed": self._epoch_seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._seed = None if state["seed"] is None else int(state["seed"])
-        self._epoch = int(state["epoch"])
-        self._epoch_seed = state.get("epoch_seed")
-        self._set_count += 1
 
     def describe(self) -> dict[str, Any]:
         """What a loader's state records of this sampler: what decides its order."""

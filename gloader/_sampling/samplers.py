@@ -20,7 +20,7 @@ from .._checks import check_flag, check_last_batch, check_positive_int
 from .._math import ceil_div
 from .._wire.seed import draw_base_seed
 
-__all__ = ["BatchSampler", "DistributedSampler", "FilterSampler", "IntervalSampler", "RandomSampler", "Sampler",
+__all__ = ["BatchSampler", "DistributedSampler", "EpochSeeded", "FilterSampler", "IntervalSampler", "RandomSampler", "Sampler",
            "SequentialSampler", "dataset_length", "default_distributed"]
 
 
@@ -117,7 +117,41 @@ class SequentialSampler(_Length, Sampler, torch_data.SequentialSampler):
         return self._length
 
 
-class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
+class EpochSeeded:
+    """A seeded epoch order's state: the seed (None: each epoch's drawn from torch's default
+    generator when it starts, as torch's samplers draw), the epoch, and a seedless epoch's drawn
+    seed (kept in the state, so that a resumed epoch repeats it)."""
+
+    _seed: int | None
+
+    def _start_epochs(self, seed: int | None) -> None:
+        self._seed = seed
+        self._epoch = 0
+        self._epoch_seed: int | None = None  # drawn for the epoch about to run (seedless)
+        self._set_count = 0  # calls of set_epoch/load_state_dict: how a loader tells them from its own draws
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration draw the order of `epoch`."""
+        self._epoch = int(epoch)
+        self._set_count += 1
+
+    def _prepare_epoch(self) -> None:
+        """Draw the coming epoch's seed now (seedless), so that a state taken before the
+        epoch's indices already holds it."""
+        if self._seed is None and self._epoch_seed is None:
+            self._epoch_seed = draw_base_seed()  # from torch's default generator, as torch's sampler draws
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self._seed, "epoch": self._epoch, "epoch_seed": self._epoch_seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._seed = None if state["seed"] is None else int(state["seed"])
+        self._epoch = int(state["epoch"])
+        self._epoch_seed = state.get("epoch_seed")
+        self._set_count += 1
+
+
+class RandomSampler(EpochSeeded, _Length, Sampler, torch_data.RandomSampler):
     """Yields a fresh permutation of `range(length)` every epoch.
 
     With a seed, epoch `e` uses a generator seeded from `(seed, e)`, so the sequence of
@@ -133,21 +167,12 @@ class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
 
     def __init__(self, length: int, seed: int | None = None) -> None:
         self._length = _check_length(length)
-        self._seed = None if seed is None else int(seed)
-        self._epoch = 0
-        self._epoch_seed: int | None = None  # drawn for the epoch about to run (seedless)
-        self._set_count = 0  # calls of set_epoch/load_state_dict: how a loader tells them from its own draws
+        self._start_epochs(None if seed is None else int(seed))
         # torch's attributes: a permutation of every index, without replacement.
         self.data_source, self.replacement, self._num_samples, self.generator = range(self._length), False, None, None
 
     def __iter__(self) -> Iterator[int]:
         yield from self._indices().tolist()  # drawn at the first next(), as torch's sampler draws
-
-    def _prepare_epoch(self) -> None:
-        """Draw the coming epoch's seed now (seedless), so that a state taken before the
-        epoch's indices already holds it."""
-        if self._seed is None and self._epoch_seed is None:
-            self._epoch_seed = draw_base_seed()  # from torch's default generator, as torch's sampler draws
 
     def _indices(self) -> np.ndarray:
         """One epoch's indices as an int64 array; advances to the next epoch as iterating does."""
@@ -163,19 +188,6 @@ class RandomSampler(_Length, Sampler, torch_data.RandomSampler):
     def __len__(self) -> int:
         return self._length
 
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration use the permutation of `epoch`."""
-        self._epoch = int(epoch)
-        self._set_count += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"seed": self._seed, "epoch": self._epoch, "epoch_seed": self._epoch_seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._seed = None if state["seed"] is None else int(state["seed"])
-        self._epoch = int(state["epoch"])
-        self._epoch_seed = state.get("epoch_seed")
-        self._set_count += 1
 
 
 class IntervalSampler(Sampler):
