@@ -610,3 +610,10 @@ def test_the_held_once_workload_measures_each_run_in_a_fresh_process_and_reports
     lines = held.report_held({"W5": fake})
     assert sum(line.startswith("| list of dicts |") for line in lines) == 2  # a fork row and a spawn row
     assert any(line.startswith("| 1,000 ints (starting the processes alone) | 2 |") for line in lines)
+    served = held._run_one("forkserver", "list of dicts", "gloader", 2, 20_000)
+    assert len(served["uss_mb"]) == 2 and min(served["uss_mb"]) > 0
+    fake["forkserver"] = {f"{store}|{loader}|2": served for store in ("list of dicts", "ints")
+                          for loader in ("gloader", "torch")}
+    lines = held.report_held({"W5": fake})
+    assert any(line.startswith("| W5 forkserver, 20,000 records") for line in lines)
+    assert sum(line.startswith("| list of dicts |") for line in lines) == 3  # and a forkserver row

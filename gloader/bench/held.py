@@ -12,6 +12,8 @@ lists with each list a `gloader.SharedList` (the one-line fix its warning names)
 - spawn: the first batch's time from iter() and the workers' USS after it, with a 64 MB numpy
   array beside the records, for 2 and 4 workers; and the same for a dataset of 1,000 ints, what
   starting the processes alone costs (interpreter, torch).
+- forkserver: the same for the list of dicts and the ints, 2 workers (gloader's fork server has
+  imported gloader and torch, so its workers share those pages; torch's, as shipped, has not).
 Every figure comes from a fresh process (`--one`), so that no run inherits another's memory.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = ["held_runs", "measure_held", "report_held"]
 
 _MB = 1 << 20
 STORES = ("list of dicts", "dict of lists", "numpy")
+_FORKSERVER_STORES = ("list of dicts", "ints")
 
 
 def _records(length: int) -> list[dict[str, Any]]:
@@ -91,7 +94,7 @@ def _uss(pids: list[int]) -> list[float]:
 
 def _one(mode: str, store: str, loader: str, workers: int, length: int) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
-    array_mb = 64 if mode == "spawn" and store != "ints" else 0
+    array_mb = 64 if mode != "fork" and store != "ints" else 0
     dataset = _dataset(store, loader, length, array_mb)
     started = time.perf_counter()
     if loader == "gloader":
@@ -129,14 +132,15 @@ def _run_one(mode: str, store: str, loader: str, workers: int, length: int) -> d
 
 def held_runs(quick: bool) -> int:
     """How many measurements (fresh processes) `measure_held` makes."""
-    return len(STORES) * 2 + (1 if quick else 2) * (len(STORES) + 1) * 2
+    return len(STORES) * 2 + (1 if quick else 2) * (len(STORES) + 1) * 2 + len(_FORKSERVER_STORES) * 2
 
 
 def measure_held(quick: bool, step: Any = None) -> dict[str, Any]:
     """W5's figures: fork growth per store and loader (2 workers); spawn start-up per store,
-    loader and worker count, with the processes' own start ('ints') beside."""
+    loader and worker count, with the processes' own start ('ints') beside; forkserver's for the
+    list of dicts and the ints (2 workers)."""
     length = 50_000 if quick else 500_000
-    out: dict[str, Any] = {"length": length, "fork": {}, "spawn": {}}
+    out: dict[str, Any] = {"length": length, "fork": {}, "spawn": {}, "forkserver": {}}
     for store in STORES:
         for loader in ("gloader", "torch"):
             out["fork"][f"{store}|{loader}"] = _run_one("fork", store, loader, 2, length)
@@ -148,6 +152,11 @@ def measure_held(quick: bool, step: Any = None) -> dict[str, Any]:
                 out["spawn"][f"{store}|{loader}|{workers}"] = _run_one("spawn", store, loader, workers, length)
                 if step:
                     step(f"W5 spawn {store} {loader} {workers} workers")
+    for store in _FORKSERVER_STORES:
+        for loader in ("gloader", "torch"):
+            out["forkserver"][f"{store}|{loader}|2"] = _run_one("forkserver", store, loader, 2, length)
+            if step:
+                step(f"W5 forkserver {store} {loader}")
     return out
 
 
@@ -163,14 +172,21 @@ def report_held(results: dict[str, Any]) -> list[str]:
         ratio = sum(gl) / sum(th) if sum(th) > 0 else float("nan")
         lines.append(f"| {store} | {', '.join(f'{v:.0f}' for v in gl)} | {', '.join(f'{v:.0f}' for v in th)} | "
                      f"{ratio:.2f}x |")
-    lines += ["", f"| W5 spawn, {w5['length']:,} records + a 64 MB array | workers | gloader first batch, s | "
-              "torch first batch, s | gloader / torch | gloader workers' USS, MB | torch workers' USS, MB |",
-              "|---|---|---|---|---|---|---|"]
-    for key in w5["spawn"]:
+    for mode in ("spawn", "forkserver"):
+        if w5.get(mode):
+            lines += _start_up_table(mode, w5["length"], w5[mode])
+    return lines
+
+
+def _start_up_table(mode: str, length: int, runs: dict[str, Any]) -> list[str]:
+    lines = ["", f"| W5 {mode}, {length:,} records + a 64 MB array | workers | gloader first batch, s | "
+             "torch first batch, s | gloader / torch | gloader workers' USS, MB | torch workers' USS, MB |",
+             "|---|---|---|---|---|---|---|"]
+    for key in runs:
         store, loader, workers = key.split("|")
         if loader != "gloader":
             continue
-        gl, th = w5["spawn"][key], w5["spawn"][f"{store}|torch|{workers}"]
+        gl, th = runs[key], runs[f"{store}|torch|{workers}"]
         label = "1,000 ints (starting the processes alone)" if store == "ints" else store
         lines.append(f"| {label} | {workers} | {gl['first_s']:.2f} | {th['first_s']:.2f} | "
                      f"{gl['first_s'] / th['first_s']:.2f}x | {sum(gl['uss_mb']):.0f} | {sum(th['uss_mb']):.0f} |")
