@@ -38,7 +38,7 @@ Workloads:
     W4 first-batch latency: time from iter() to the first batch, epoch 1 and epochs 2+ (W2 data);
         and the time of an epoch stopped halfway, from iter() (`limit_train_batches`).
     W5 a dataset held once: what a list of dicts, a dict of lists and numpy arrays cost each worker,
-        fork growth and spawn start-up, beside torch; see `gloader.bench.held`.
+        fork growth, spawn and forkserver start-up, beside torch; see `gloader.bench.held`.
     W6 shared pools: train and val loaders on one pool or a pool each; see `gloader.bench.memory`.
     W7 host-to-device transfer (needs CUDA; only when asked for): see `gloader.bench.device`.
     W11 remote storage: JPEGs from a local HTTP server that answers after 5 ms; torch and
