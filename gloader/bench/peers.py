@@ -55,6 +55,19 @@ _CEILING_WAIT_S = 120.0
 _CEILING_NOTE_S = 0.01
 
 
+def _stop(processes: list[Any], within_s: float = 10.0) -> None:
+    """Terminate `processes` and reap them: those still there after `within_s` in all are killed."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + within_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
 # glibc malloc settings of gloader's workers. The benchmark uses gloader's public API only,
 # so it repeats them; tests/test_bench.py checks that they match the workers' own.
 _MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20
@@ -116,10 +129,7 @@ class ComputeCeiling:
                 yield None
 
     def close(self) -> None:
-        for worker in self._workers:
-            worker.terminate()
-        for worker in self._workers:
-            worker.join(10)
+        _stop(self._workers)
         self._done.close()
         self._done.cancel_join_thread()  # the caller put nothing: no feeder to wait for
         self._workers = []
@@ -206,10 +216,7 @@ class BatchingFloor:
                 yield [tensors[slot] for tensors in self._tensors]
 
     def close(self) -> None:
-        for worker in self._workers:
-            worker.terminate()
-        for worker in self._workers:
-            worker.join(10)
+        _stop(self._workers)
         for link in self._links:
             link.close()
         self._workers, self._links = [], []
@@ -254,6 +261,10 @@ class TensorpackLoop:
                 self._stream.close()
                 flow.__del__()  # tensorpack's own clean-up: closes the socket, terminates the workers
                 flow._reset_done = False  # done: its exit hook has nothing left to do
+            # Its clean-up swallows any error and waits 5 s a worker: whatever it left is reaped here.
+            if not flow.context.closed:
+                flow.context.destroy(0)
+            _stop(flow._procs)
 
 
 @contextlib.contextmanager
