@@ -93,6 +93,17 @@ def test_a_large_list_a_dataset_holds_is_named_once_with_its_memory_and_the_fix(
                 assert torch.cat(list(loader))[:, 1].tolist()[:3] == [0, 2, 4]
 
 
+def test_a_dict_given_as_the_dataset_is_named_with_the_fix_for_a_dataset() -> None:
+    records = {i: {"x": float(i)} for i in range(20_000)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with DataLoader(records, batch_size=4, num_workers=1, batchify_fn=len) as loader:
+            assert next(iter(loader)) == 4
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and said[0].startswith("dict is a dict of 20,000 Python objects")
+    assert "pass gloader.SharedDict(...) of it as the dataset" in said[0]
+
+
 def test_a_spawned_workers_payload_is_pickled_once_with_its_large_buffers_out_of_band() -> None:
     dataset = gloader.ArrayDataset(np.ones((1 << 20,), dtype=np.float64), np.arange(1 << 20))
     payload = build_payload(dataset, None, None, 0, pickled=True)

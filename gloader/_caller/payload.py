@@ -198,11 +198,14 @@ def warn_if_copied(dataset: Any) -> None:
             continue
         _WARNED.add(path)
         kind, fix = ("dict", "gloader.SharedDict") if isinstance(value, dict) else ("list", "gloader.SharedList")
+        attribute = path.partition(".")[2].split("[")[0]
+        hold = (f"{attribute} = {fix}(...) in the dataset's __init__" if attribute
+                else f"pass {fix}(...) of it as the dataset")  # the dataset is the container itself
         warnings.warn(f"{path} is a {kind} of {len(value):,} Python objects (about {_estimate_mb(value):,.0f} MB): "
                       "each worker process copies it as it reads it, since reading an object writes its reference "
                       f"count, about that much memory per worker (and, under spawn, the time to unpickle it). "
-                      f"Hold it once: {path.split('.', 1)[1].split('[')[0]} = {fix}(...) in the dataset's "
-                      "__init__ (or numpy arrays for numbers)", RuntimeWarning, stacklevel=_caller_level())
+                      f"Hold it once: {hold} (or numpy arrays for numbers)", RuntimeWarning,
+                      stacklevel=_caller_level())
 
 
 def _caller_level() -> int:
