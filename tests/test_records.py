@@ -64,6 +64,15 @@ def test_gloaders_own_datasets_hold_their_records_once_in_the_workers_and_load_t
         assert first.tolist() == list(range(4000)) and second.dtype == torch.float64
 
 
+def test_a_list_of_numbers_held_once_gives_workers_the_callers_items() -> None:
+    numbers = [1, 2.5] + list(range(3, 12_000))  # an int first, a float after: one array would make both floats
+    dataset = SimpleDataset(numbers).transform(repr)
+    expected = [repr(x) for x in numbers[:8]]
+    for workers in (0, 2):
+        with DataLoader(dataset, batch_size=8, num_workers=workers, batchify_fn=list) as loader:
+            assert next(iter(loader)) == expected
+
+
 def test_a_change_to_a_simple_datasets_list_between_epochs_is_still_seen() -> None:
     records = [{"id": i} for i in range(12_000)]
     with DataLoader(SimpleDataset(records), batch_size=4000, num_workers=2) as loader:

@@ -192,14 +192,10 @@ def python_objects(value: Any) -> bool:
 
 def held_once(value: Any) -> Any:
     """`value` held once when it is a list of Python objects worth it (`python_objects`): as a
-    numpy array when its items are all numbers (a list of ints reads as np.int64 then), else as
-    a SharedList when every item pickles; else `value` itself."""
+    SharedList when every item pickles (numbers too: the same items come back, an int as an int,
+    where an array would turn them into numpy scalars of one dtype); else `value` itself."""
     if not python_objects(value):
         return value
-    if isinstance(value[0], (int, float)) and not isinstance(value[0], bool):
-        array = np.asarray(value)
-        if array.ndim == 1 and array.dtype.kind in "if":
-            return array
     try:
         return SharedList(value)
     except TypeError:
