@@ -161,6 +161,19 @@ def test_token_budget_batches_stay_within_the_budget_and_every_rank_gets_as_many
     assert all(len(batch) == 8 for batch in bucketed)
 
 
+def test_a_token_budget_samplers_length_follows_a_loaded_seed() -> None:
+    lengths = np.random.default_rng(0).integers(1, 60, size=500)
+    budget = TokenBudgetBatchSampler(lengths, max_tokens=300, num_replicas=1, rank=0, seed=0, window=16)
+    counts = {len(budget)}
+    for seed in range(1, 20):  # epoch 0 of other seeds: their cuts make other batch counts
+        budget.load_state_dict({"seed": seed, "epoch": 0})
+        state = budget.state_dict()
+        counts.add(len(budget))
+        assert len(budget) == len(list(budget))  # what len() said is what the epoch yields
+        budget.load_state_dict(state)
+    assert len(counts) > 1
+
+
 def test_thread_workers_give_placed_samples_their_place_in_get_worker_info() -> None:
     """Threads share the process-wide generators: with a placed sampler, a sample's seed and rng
     in `get_worker_info()` are its own, the same for any thread count."""

@@ -73,7 +73,7 @@ class TokenBudgetBatchSampler(GlobalBatchSampler):
         self.last_batch = last_batch
         self._epoch = 0
         self._set_count = 0  # calls of set_epoch/load_state_dict: how a loader tells them from its own draws
-        self._counted: tuple[int, int] | None = None  # (epoch, batches) of the latest count (see __len__)
+        self._counted: tuple[int, int, int] | None = None  # (seed, epoch, batches) of the latest count (see __len__)
 
     @property
     def batch_size(self) -> int | None:  # type: ignore[override]  # a property here, an attribute in torch's
@@ -96,12 +96,9 @@ class TokenBudgetBatchSampler(GlobalBatchSampler):
 
     def __len__(self) -> int:
         """Batches of this rank in the coming epoch (its budget cuts depend on the epoch's draw)."""
-        if self._counted is None or self._counted[0] != self._epoch:
-            state = self.state_dict()
-            batches = len(self._epoch_of(self._epoch)[1])
-            self.load_state_dict(state)
-            self._counted = (self._epoch, batches)
-        return self._counted[1]
+        if self._counted is None or self._counted[:2] != (self.seed, self._epoch):
+            self._counted = (self.seed, self._epoch, len(self._epoch_of(self._epoch)[1]))  # a function of the two
+        return self._counted[2]
 
     def _global_epoch(self) -> tuple[np.ndarray, list[tuple[int, int]]]:
         epoch, self._epoch = self._epoch, self._epoch + 1
