@@ -12,6 +12,7 @@ import numpy as np
 import torch.utils.data as torch_data
 
 from .._checks import check_positive_int
+from .._math import ceil_div
 from .samplers import EpochSeeded
 
 __all__ = ["WeightedMixtureSampler", "apportion"]
@@ -87,7 +88,7 @@ class WeightedMixtureSampler(EpochSeeded, torch_data.Sampler[int]):
             places = np.flatnonzero(sources == i)
             if len(places):
                 own = np.random.default_rng([*key, i])  # each dataset's permutations of its own stream
-                rounds = -(-len(places) // length)
+                rounds = ceil_div(len(places), length)
                 order[places] = np.concatenate([own.permutation(length) for _ in range(rounds)])[:len(places)] \
                     + self._offsets[i]
         return order
