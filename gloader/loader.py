@@ -61,9 +61,9 @@ class DataLoader(TorchAttributes[_T_co]):
         pin_memory: pin batches in page-locked memory (for faster copies to CUDA).
         pin_device_id: the CUDA device that pinned memory is meant for.
         prefetch: most tasks in flight; default 2 * num_workers (with num_workers='auto',
-            per worker of the count, and twice that between epochs). A task is one batch, or
-            for small batches that load quickly (under ~5 ms a task) several consecutive
-            ones, at most 16 and 1 MiB.
+            per worker of the count, and up to 4x that between epochs). A task is one batch,
+            or for small batches that load quickly as many consecutive ones as the workers
+            load in about 20 ms, at most 32 and 1 MiB.
         thread_pool: run the workers as threads of this process.
         timeout: most seconds to wait for one batch (or one task of small batches) before
             raising a TimeoutError.

@@ -100,7 +100,7 @@ def test_an_exit_rung_before_the_caller_cleared_its_event_does_not_leave_it_asle
     # The pool counts an exit, then rings the loader's event; the caller clears the event just
     # before it sleeps. An exit that rang before the clear is in the count the caller gives.
     class Pending:  # a task still out, that will not ring again
-        progress = threading.Event()
+        wakeup = threading.Event()
         chunks: list[Any] = []
 
         def ready(self) -> bool:
@@ -111,7 +111,7 @@ def test_an_exit_rung_before_the_caller_cleared_its_event_does_not_leave_it_asle
 
     task = _task.Task([gloader._wire.protocol.Job(0, 0, 0, b"")], None)
     task.result, exits = Pending(), Exits()
-    Pending.progress.set()  # rung for an exit the caller has not looked at
+    Pending.wakeup.set()  # rung for an exit the caller has not looked at
     exits.exited = 1
     started = time.monotonic()
     assert task.wait(None, 20.0, exits, 0) is False  # back to the caller, to look for the death

@@ -139,26 +139,26 @@ class Task:
 
     def wait(self, slots: SlotPool | None, timeout_s: float, exits: Any = None, seen: int = 0) -> bool:
         """Wait up to `timeout_s` for the next batch's answer; True once it is in (the caller
-        has just looked: `receive`). A process pool's result rings `progress` when any task of
+        has just looked: `receive`). A process pool's result rings `wakeup` when any task of
         the loader progresses and when a worker exits (see `_pool.mpclasses._Workers`), so the whole
         wait is one sleep; other results are waited on for at most _POLL_S at a time. Returns
         False without sleeping when `exits.exited` is no longer `seen` (the exits the caller
         has looked at): an exit rung before the event was cleared would not wake it."""
-        progress = getattr(self.result, "progress", None)
-        if progress is None:
+        wakeup = getattr(self.result, "wakeup", None)
+        if wakeup is None:
             try:
                 self.result.wait(min(timeout_s, _POLL_S))
             except RuntimeError as exc:
                 as_ctrl_c(exc)
         else:
-            progress.clear()  # then one more look: what came meanwhile set it before the clear
+            wakeup.clear()  # then one more look: what came meanwhile set it before the clear
             self.receive(slots)
             if self.has_next:
                 return True
             if exits is not None and exits.exited != seen:  # counted before it rings: the caller looks
                 return False
             try:
-                progress.wait(timeout_s)
+                wakeup.wait(timeout_s)
             except RuntimeError as exc:
                 as_ctrl_c(exc)
         self.receive(slots)

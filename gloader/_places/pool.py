@@ -70,10 +70,10 @@ class OnPool:
         self.exits = core.exits
         # Set by the pool as any task of this loader progresses and when a worker exits: the
         # engine sleeps on it until then or the batch's deadline (see Task.wait).
-        self._progress = threading.Event()
+        self._wakeup = threading.Event()
         # `submit(args, on_ready)`: the core's, called straight (one call less per task).
         self.submit: Callable[[tuple[Any, ...], Callable[[Any], None]], Any] = functools.partial(
-            core.submit, progress=self._progress)
+            core.submit, wakeup=self._wakeup)
 
     def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None:
         """Count a batch collected in the tuner's window; resize the pool when it decides to."""

@@ -121,10 +121,10 @@ class PoolCore:
         raise NotImplementedError
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
-               progress: threading.Event | None = None) -> Any:
+               wakeup: threading.Event | None = None) -> Any:
         """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult.
         `on_ready(result)` runs in the pool's result thread as the result arrives; process
-        pools set `progress` as the task progresses and when a worker exits (see ProcessCore)."""
+        pools set `wakeup` as the task progresses and when a worker exits (see ProcessCore)."""
         raise NotImplementedError
 
     @property
@@ -232,7 +232,7 @@ class ThreadCore(PoolCore):
         self.pool = make_thread_pool(self.num_workers, initialize_thread_worker, (self.spec, registrations))
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
-               progress: threading.Event | None = None) -> Any:
+               wakeup: threading.Event | None = None) -> Any:
         return self.pool.apply_async(run_task, args, callback=on_ready)
 
     def join(self, loader_id: int, payload: Payload) -> None:
@@ -314,11 +314,11 @@ class ProcessCore(PoolCore):
         self.exits = exit_counter(self.pool)
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
-               progress: threading.Event | None = None) -> Any:
+               wakeup: threading.Event | None = None) -> Any:
         """Queue one `_worker.run_task(*args)`; its result receives the parts a task sends
-        before its end in `chunks` (see `_pool.mp.send_partial`), and sets `progress` as they
+        before its end in `chunks` (see `_pool.mp.send_partial`), and sets `wakeup` as they
         come and when a worker exits."""
-        return self.pool.submit_task(run_task, args, on_ready, progress)
+        return self.pool.submit_task(run_task, args, on_ready, wakeup)
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in pool_workers(self.pool)]

@@ -185,13 +185,13 @@ class _CallerQueue(SimpleQueue):  # type: ignore[misc]
 class _TaskResult(mp_pool.ApplyResult):  # type: ignore[misc]
     """An AsyncResult whose task may send parts of its result before the end: `chunks`
     holds (arrival time, data) of each, in order, and is complete once `ready()`;
-    `progress` is set as each part, notice and the final value arrive, and when a worker
+    `wakeup` is set as each part, notice and the final value arrive, and when a worker
     of the pool exits (the caller clears it; a loader's results may share one)."""
 
-    def __init__(self, pool: Any, callback: Any, progress: threading.Event | None) -> None:
+    def __init__(self, pool: Any, callback: Any, wakeup: threading.Event | None) -> None:
         super().__init__(pool, callback, None)
         self.chunks: list[tuple[float, Any]] = []
-        self.progress = progress or threading.Event()
+        self.wakeup = wakeup or threading.Event()
 
     def _set(self, i: int, obj: Any) -> None:
         if i == PARTIAL and obj[0]:
@@ -199,13 +199,13 @@ class _TaskResult(mp_pool.ApplyResult):  # type: ignore[misc]
                 self.chunks.append((time.monotonic(), obj[1]))
         else:  # the final value, or a part that failed (a full disk): the task ends with it
             super()._set(0, obj)
-        self.progress.set()
+        self.wakeup.set()
 
 
 class _Workers(list):  # type: ignore[type-arg]
     """The pool's list of workers. Its maintenance thread sleeps on the workers' sentinels
     and removes a worker here as soon as it has exited: then every result awaited is woken
-    (`progress`), so a waiting caller sees a death at once rather than by polling."""
+    (`wakeup`), so a waiting caller sees a death at once rather than by polling."""
 
     cache: dict[Any, Any] | None = None  # the pool's results awaited, once it has them
     exited = 0  # workers removed after their exit so far: a caller looks for deaths once it grows
@@ -214,9 +214,9 @@ class _Workers(list):  # type: ignore[type-arg]
         super().__delitem__(index)
         self.exited += 1
         for result in list((self.cache or {}).values()):
-            progress = getattr(result, "progress", None)
-            if progress is not None:
-                progress.set()
+            wakeup = getattr(result, "wakeup", None)
+            if wakeup is not None:
+                wakeup.set()
 
 
 class FastPool(mp_pool.Pool):  # type: ignore[misc]
@@ -273,11 +273,11 @@ class FastPool(mp_pool.Pool):  # type: ignore[misc]
 
     def submit_task(self, func: Callable[..., Any], args: tuple[Any, ...],
                     callback: Callable[[Any], None] | None = None,
-                    progress: threading.Event | None = None) -> Any:
+                    wakeup: threading.Event | None = None) -> Any:
         """`apply_async(func, args, callback=callback)` with a `_TaskResult` that sets
-        `progress` (its own Event if None) as it makes progress."""
+        `wakeup` (its own Event if None) as it makes progress."""
         self._check_running()
-        result = _TaskResult(self, callback, progress)
+        result = _TaskResult(self, callback, wakeup)
         self._taskqueue.put(([(result._job, 0, func, args, {})], None))
         return result
 
