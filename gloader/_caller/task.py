@@ -34,7 +34,7 @@ class Task:
     what did not fit there by message."""
 
     __slots__ = ("jobs", "epoch", "batches", "slot", "result", "submitted", "arrived", "mark_arrived", "answers", "arrivals",
-                 "parts", "done", "taken", "waited", "cancel")
+                 "chunks_taken", "done", "taken", "waited", "cancel")
 
     def __init__(self, jobs: list[Job], slot: Slot | None) -> None:
         self.jobs = jobs
@@ -51,7 +51,7 @@ class Task:
         self.mark_arrived = _marker(self.arrived)
         self.answers: dict[int, Any] = {}  # position in the task -> answer, received and not collected
         self.arrivals: dict[int, float] = {}  # position -> when it arrived (0.0: not known, in-process)
-        self.parts = 0  # parts of the result (`result.chunks`) taken in
+        self.chunks_taken = 0  # parts of the result (`result.chunks`) taken in
         self.done = False  # the whole result is in
         self.taken = 0  # batches collected (of a discarded task: collected or given back)
         # (batch position, since when) the caller waits for: its deadline runs from there
@@ -119,9 +119,9 @@ class Task:
             for position, answer in slots.answers(self.slot):
                 self._add(position, answer, now)
         chunks = getattr(result, "chunks", None)
-        while chunks is not None and self.parts < len(chunks):
-            when, data = chunks[self.parts]
-            self.parts += 1
+        while chunks is not None and self.chunks_taken < len(chunks):
+            when, data = chunks[self.chunks_taken]
+            self.chunks_taken += 1
             for position, answer in decode_answers(data):
                 self._add(position, answer, when)
         if ready:
@@ -140,7 +140,7 @@ class Task:
     def wait(self, slots: SlotPool | None, timeout_s: float, exits: Any = None, seen: int = 0) -> bool:
         """Wait up to `timeout_s` for the next batch's answer; True once it is in (the caller
         has just looked: `receive`). A process pool's result rings `wakeup` when any task of
-        the loader progresses and when a worker exits (see `_pool.mpclasses._Workers`), so the whole
+        the loader progresses and when a worker exits (see `_pool.mpclasses._WorkerList`), so the whole
         wait is one sleep; other results are waited on for at most _POLL_S at a time. Returns
         False without sleeping when `exits.exited` is no longer `seen` (the exits the caller
         has looked at): an exit rung before the event was cleared would not wake it."""

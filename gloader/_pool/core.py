@@ -3,7 +3,7 @@
 `PoolCore` wraps the pool itself. The pool never tells anyone that a worker died: it silently
 starts a replacement and the task the dead worker held never completes (CPython bpo-22393).
 So its maintenance thread's removal of an exited worker counts the exit and wakes the waiting
-callers (`_pool.mpclasses._Workers`), and a caller that sees the count grow asks `find_dead_worker()`,
+callers (`_pool.mpclasses._WorkerList`), and a caller that sees the count grow asks `find_dead_worker()`,
 which reads the exit codes (`_pool.deaths`). Shutdown climbs a ladder: ask (close), join with a deadline,
 terminate, join, kill.
 

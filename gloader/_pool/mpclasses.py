@@ -202,7 +202,7 @@ class _TaskResult(mp_pool.ApplyResult):  # type: ignore[misc]
         self.wakeup.set()
 
 
-class _Workers(list):  # type: ignore[type-arg]
+class _WorkerList(list):  # type: ignore[type-arg]
     """The pool's list of workers. Its maintenance thread sleeps on the workers' sentinels
     and removes a worker here as soon as it has exited: then every result awaited is woken
     (`wakeup`), so a waiting caller sees a death at once rather than by polling."""
@@ -234,7 +234,7 @@ class FastPool(mp_pool.Pool):  # type: ignore[misc]
        the stdlib pickler takes ~1 us, and workers' dill reads stdlib pickles. Anything the
        stdlib pickler refuses still goes through dill.
     gloader supervises its workers itself (`PoolCore.find_dead_worker`), woken by their exits
-    (`_Workers`). Its `submit_task` is `apply_async` with a result that may come in parts
+    (`_WorkerList`). Its `submit_task` is `apply_async` with a result that may come in parts
     (see `_pool.mp.send_partial`).
     """
 
@@ -286,7 +286,7 @@ class FastPool(mp_pool.Pool):  # type: ignore[misc]
         super().close()  # wakes the maintenance thread, which sees whether tasks remain
 
     def _setup_queues(self) -> None:  # multiprocess's own, with queues that survive a killed worker
-        self._pool = _Workers()  # still empty: multiprocess sets it just before, and starts workers after
+        self._pool = _WorkerList()  # still empty: multiprocess sets it just before, and starts workers after
         self._inqueue = TrackedQueue(ctx=self._ctx, lock_dir=self._lock_dir, name="tasks", atomic_reads=True)
         self._outqueue = TrackedQueue(ctx=self._ctx, lock_dir=self._lock_dir, name="results")
         self._quick_get = self._outqueue._reader.recv
