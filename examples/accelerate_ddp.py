@@ -43,7 +43,12 @@ def _data() -> gloader.ArrayDataset:
 
 def _loader(kind: str, accelerator: Any, dataset: Any, order: Any) -> Any:
     if kind == "torch":
-        return accelerator.prepare(torch_data.DataLoader(dataset, batch_size=_GLOBAL_BATCH, sampler=order, num_workers=2))
+        # forkserver: a worker forked from a rank while another of its threads holds the
+        # interpreter's thread-state lock can deadlock before it runs (CPython issue 112275: seen
+        # here on 3.11.7, 2 of ~30 runs; fixed in later releases), and torch's loader waits for
+        # it for good. A gloader worker that never starts leaves the batches to the others.
+        return accelerator.prepare(torch_data.DataLoader(dataset, batch_size=_GLOBAL_BATCH, sampler=order, num_workers=2,
+                                                         multiprocessing_context="forkserver"))
     from gloader.integrations.accelerate import AcceleratedLoader
 
     batches = DistributedBatchSampler(order, _GLOBAL_BATCH // accelerator.num_processes,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -107,6 +109,22 @@ def wait_until(condition: Callable[[], object], timeout_s: float) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+def run_group(args: list[str], timeout_s: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(args, capture_output=True, text=True, **kwargs)` in a process group of its
+    own, the whole of which is killed when it runs past `timeout_s`: a launcher's ranks and their
+    workers go with it, where killing the launcher alone left them running for good. Raises
+    AssertionError naming the command and the end of what it wrote to stderr."""
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"{' '.join(args)} ran past {timeout_s:g} s; stderr ends: {err[-3000:]}") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def snapshot() -> dict[str, set]:

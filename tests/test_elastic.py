@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -23,6 +22,7 @@ from gloader.sampler import (
     TokenBudgetBatchSampler,
     WeightedMixtureSampler,
 )
+from tests.conftest import run_group
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -194,9 +194,9 @@ def test_thread_workers_give_placed_samples_their_place_in_get_worker_info() -> 
 
 
 def _torchrun(replicas: int, *args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(replicas),
-                           "tests/trainer_scripts/elastic_ddp.py", *args], capture_output=True, text=True,
-                          timeout=150, cwd=_ROOT, env={**os.environ, "PYTHONPATH": _ROOT, "OMP_NUM_THREADS": "1"})
+    done = run_group([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(replicas),
+                      "tests/trainer_scripts/elastic_ddp.py", *args], 150, cwd=_ROOT,
+                     env={**os.environ, "PYTHONPATH": _ROOT, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -220,8 +220,7 @@ def test_a_lightning_ddp_fit_stopped_mid_epoch_on_2_ranks_resumes_on_1_with_the_
     env = {**os.environ, "PYTHONPATH": _ROOT, "OMP_NUM_THREADS": "1"}
     for args in (["2", str(tmp_path / "full"), str(tmp_path / "ckpt"), "5"],
                  ["1", str(tmp_path / "resumed"), "--resume", str(tmp_path / "ckpt" / "step=5.ckpt")]):
-        done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=150, cwd=_ROOT,
-                              env=env)
+        done = run_group([sys.executable, script, *args], 150, cwd=_ROOT, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"full.rank{rank}.json").read_text()) for rank in (0, 1)]
     full = {step: first + second for (step, first), (_, second) in zip(*ranks)}

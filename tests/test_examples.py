@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from examples import sequences, train_model
+from tests.conftest import run_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,16 +51,14 @@ def test_under_accelerate_two_processes_train_the_same_steps_on_gloader_as_on_a_
     pytest.importorskip("accelerate")
     import json
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs = {}
     for loader in ("gloader", "torch"):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "examples/accelerate_ddp.py", "--loader", loader],
-                              capture_output=True, text=True, timeout=240, cwd=root,
-                              env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})  # else 1 process
+        done = run_group([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "examples/accelerate_ddp.py", "--loader", loader], 240, cwd=root,
+                         env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})  # else 1 process
         assert done.returncode == 0, done.stderr[-3000:]
         assert "Warning" not in done.stderr, done.stderr[-3000:]
         runs[loader] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from typing import Any
 
 import pytest
+
+from tests.conftest import run_group
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -19,8 +20,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(args: list[str], timeout_s: float = 200, env: dict[str, str] | None = None) -> Any:
     """Run a Python script in a new process from the repository's root; its last line of output, as JSON."""
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout_s, cwd=_ROOT,
-                          env={**os.environ, "PYTHONPATH": _ROOT, **(env or {})})
+    done = run_group([sys.executable, *args], timeout_s, cwd=_ROOT, env={**os.environ, "PYTHONPATH": _ROOT, **(env or {})})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
