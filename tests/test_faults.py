@@ -534,6 +534,66 @@ def test_a_child_forked_from_the_caller_leaves_the_callers_workers_alone(tmp_pat
     assert proc.returncode == 0 and "Traceback" not in err and "Warning" not in err, err
 
 
+@pytest.mark.timeout(60)
+def test_a_forked_worker_stuck_before_any_python_runs_is_named_by_the_timeout_and_others_load_its_batches(
+        tmp_path) -> None:
+    """A worker that stops in the interpreter's after-fork step (as CPython's can, issue 112275:
+    a DDP rank's torch DataLoader hung that way in this suite) never takes a task: with one
+    worker the batch's timeout names it and why, with two the other loads every batch."""
+    with _run_script(tmp_path, f"""
+        from gloader import BatchTimeoutError
+
+        tokens = [{str(tmp_path / "one")!r}]
+
+        def stall_the_first_child():  # runs in each forked child before any other Python code
+            try:
+                token = os.open(tokens[-1], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return
+            os.write(token, str(os.getpid()).encode())
+            os.close(token)
+            time.sleep(3600)
+
+        os.register_at_fork(after_in_child=stall_the_first_child)
+        with DataLoader(np.arange(40), batch_size=4, num_workers=1, start_method="fork", timeout=3) as loader:
+            try:
+                next(iter(loader))
+            except BatchTimeoutError as exc:
+                print("timeout:", exc, flush=True)
+        tokens.append({str(tmp_path / "two")!r})
+        with DataLoader(np.arange(40), batch_size=4, num_workers=2, start_method="fork", timeout=20) as loader:
+            print("batches:", [b.tolist() for b in loader] == [list(range(i, i + 4)) for i in range(0, 40, 4)], flush=True)
+        """) as proc:
+        out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0, err
+    stalled = (tmp_path / "one").read_text()
+    timeout = next(line for line in out.splitlines() if line.startswith("timeout:"))
+    assert f"worker process {stalled} never started" in timeout and "start_method='forkserver'" in timeout, out
+    assert "batches: True" in out, out + err
+
+
+@pytest.mark.timeout(60)
+def test_a_spawned_worker_still_importing_at_the_timeout_is_named_as_not_started(tmp_path) -> None:
+    script = tmp_path / "still_importing.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        if __name__ == "__mp_main__":  # the spawned worker, running this module again
+            time.sleep(3600)
+        import numpy as np
+        from gloader import BatchTimeoutError, DataLoader
+        if __name__ == "__main__":
+            with DataLoader(np.arange(8), batch_size=4, num_workers=1, start_method="spawn", timeout=3) as loader:
+                try:
+                    next(iter(loader))
+                except BatchTimeoutError as exc:
+                    print("timeout:", exc, flush=True)
+        """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"worker process \d+ had not started yet \(still importing", done.stdout), done.stdout
+
+
 def test_ctrl_c_while_spawned_workers_still_start_does_not_kill_them(tmp_path) -> None:
     """The whole process group gets the Ctrl-C while the workers are still importing; a loop
     that handles it (saves a checkpoint, say) carries on, and no worker has died of it."""

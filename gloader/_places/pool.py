@@ -104,7 +104,7 @@ class OnPool:
             self.core.kill_worker_loading(self._loader_id, epoch, numbers)
 
     def why_late(self) -> str | None:
-        return None  # the pool's workers run as soon as started: a late batch is the dataset's
+        return self.core.why_late()  # worker processes that never started; else the dataset's
 
     def forget(self, result: Any) -> None:
         """A task that never finished (a dead worker's): the pool stops waiting for it."""

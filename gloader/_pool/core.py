@@ -33,7 +33,7 @@ from .._worker.run import (
     run_task,
 )
 from .admission import usable_cpus
-from .deaths import Deaths
+from .deaths import Deaths, describe_unstarted
 from .directory import PoolDirectory, ProcessLock, open_private_file
 from .mp import (
     check_multiprocess,
@@ -152,6 +152,11 @@ class PoolCore:
     def find_dead_worker(self, loader_id: int | None = None) -> str | None:
         """Describe a worker process that has died, once, to the loader it concerns; or None
         (threads do not die apart from the caller)."""
+        return None
+
+    def why_late(self) -> str | None:
+        """What a batch over its timeout waited for when it is not the dataset: worker processes
+        alive that never started (see `_pool.deaths.describe_unstarted`); None for threads."""
         return None
 
     def kill_worker_loading(self, loader_id: int, epoch: int, batch_indices: list[int]) -> int | None:
@@ -349,6 +354,17 @@ class ProcessCore(PoolCore):
             self._claimed &= pids
             self._claimed.update(pid for pid in pids - self._claimed if self.status.worker_id(pid) is not None)
             return self._claimed == pids
+
+    def why_late(self) -> str | None:
+        if self._closed or self.status is None:
+            return None
+        status = self.status
+        unstarted = [p.pid for p in pool_workers(self.pool) if p.pid is not None and status.worker_id(p.pid) is None]
+        if not unstarted:
+            return None
+        import multiprocess
+
+        return describe_unstarted(unstarted, multiprocess.get_context(self.start_method).get_start_method())
 
     def worker_processes(self) -> list[Any]:
         processes = pool_workers(self.pool)
