@@ -56,9 +56,15 @@ def test_under_accelerate_two_processes_train_the_same_steps_on_gloader_as_on_a_
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs = {}
     for loader in ("gloader", "torch"):
-        done = run_group([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "examples/accelerate_ddp.py", "--loader", loader], 240, cwd=root,
-                         env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})  # else 1 process
+        # torch's arm is the reference, and gets a second try: beside two CPU hogs it failed in 3
+        # of 130 runs (the one whose output was kept: a rank aborted in native code, "terminate
+        # called without an active exception"), where gloader's arm never failed in 70.
+        for _ in range(1 if loader == "gloader" else 2):
+            done = run_group([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "examples/accelerate_ddp.py", "--loader", loader], 240, cwd=root,
+                             env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})  # else 1 process
+            if done.returncode == 0:
+                break
         assert done.returncode == 0, done.stderr[-3000:]
         assert "Warning" not in done.stderr, done.stderr[-3000:]
         runs[loader] = json.loads(done.stdout.strip().splitlines()[-1])
