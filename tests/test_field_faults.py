@@ -147,7 +147,7 @@ def test_a_batch_the_caller_waits_for_comes_when_written_not_after_a_slow_one_be
         it = iter(loader)
         for _ in range(100):
             next(it)
-        first = loader._engine.tasks[-1].jobs[-1].number + 1  # the first batch of a task not dispatched yet
+        first = loader._engine.tasks[-1].jobs[-1].batch_index + 1  # the first batch of a task not dispatched yet
         assert loader._engine.batches_per_task() > 4 and first < 900
         flag.write_text(f"{2 * first} {2 * first + 2}")
         for _ in range(first - 100):

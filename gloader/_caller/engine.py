@@ -239,7 +239,7 @@ class Engine:
         except (WorkerExitedError, BatchTimeoutError) as exc:
             self.tasks.drop(task)
             if isinstance(exc, BatchTimeoutError) and self.workers.backend is not None:
-                self.workers.backend.timed_out(task.epoch, [job.number for job in task.jobs])
+                self.workers.backend.timed_out(task.epoch, [job.batch_index for job in task.jobs])
             self.stop_workers(prompt=True)
             raise
         except BaseException:  # Ctrl-C, or a result that could not be received: the task is not ours any more
@@ -273,7 +273,7 @@ class Engine:
     def _check_workers(self, task: Task) -> None:
         backend = self.workers.backend  # looked for only once a worker exited (see Workers.check)
         if backend is not None and backend.exits.exited != self.workers.exits_seen:
-            self.workers.check(f"batch {task.next_job.number} of epoch {task.epoch}")
+            self.workers.check(f"batch {task.next_job.batch_index} of epoch {task.epoch}")
 
     def discard(self, epoch: int | None = None) -> None:
         """Drop the batches in flight of `epoch` (of every epoch when None).

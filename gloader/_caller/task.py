@@ -39,7 +39,7 @@ class Task:
     def __init__(self, jobs: list[Job], slot: Slot | None) -> None:
         self.jobs = jobs
         self.epoch = jobs[0].epoch
-        self.batches = tuple((job.number, job.seed, job.work) for job in jobs)  # as the task sends them
+        self.batches = tuple((job.batch_index, job.seed, job.work) for job in jobs)  # as the task sends them
         self.slot = slot
         self.result: Any = None
         self.submitted = time.monotonic()
@@ -66,7 +66,7 @@ class Task:
         if slots is not None:
             slots.give_back(self.slot, None)
         job = self.jobs[position]
-        exc.add_note(f"gloader: batch {job.number} of epoch {job.epoch}{describe_keys(job)} was loaded by a "
+        exc.add_note(f"gloader: batch {job.batch_index} of epoch {job.epoch}{describe_keys(job)} was loaded by a "
                      "worker, but its answer could not be rebuilt in this process")
 
     def skip(self) -> None:
@@ -163,15 +163,15 @@ class Task:
                 as_ctrl_c(exc)
         self.receive(slots)
         if self.done and not self.has_next:
-            raise RuntimeError(f"internal error: the task of batches {self.jobs[0].number}-{self.jobs[-1].number} "
-                               f"ended without an answer for batch {self.next_job.number}")
+            raise RuntimeError(f"internal error: the task of batches {self.jobs[0].batch_index}-{self.jobs[-1].batch_index} "
+                               f"ended without an answer for batch {self.next_job.batch_index}")
         return self.has_next
 
 
 def timeout_error(job: Job, elapsed: float, timeout_s: float, why: str | None = None) -> BatchTimeoutError:
     """The error of a batch over the loader's timeout; `why`: what it waited for, when the
     workers know (actors not placed), else the likely causes are said."""
-    return BatchTimeoutError(f"DataLoader timed out after {timeout_s:g} seconds: batch {job.number} of epoch "
+    return BatchTimeoutError(f"DataLoader timed out after {timeout_s:g} seconds: batch {job.batch_index} of epoch "
                              f"{job.epoch}{describe_keys(job)} took more than {elapsed:.1f} s, the loader's "
                              f"timeout={timeout_s:g}; " + (why or "raise timeout= if batches are legitimately slow, "
                                                                   "or look for a hang in the dataset"))

@@ -282,10 +282,10 @@ def decode_keys(keys: Any) -> list[Any]:
 
 
 class Job(NamedTuple):
-    """One batch to load: its epoch, its number in the epoch, its seed, and its work (encoded
+    """One batch to load: its epoch, its index in the epoch, its seed, and its work (encoded
     sample keys or a `StreamRequest`). The caller's side of a task."""
 
     epoch: int
-    number: int
+    batch_index: int
     seed: int
     work: Any
