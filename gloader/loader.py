@@ -65,8 +65,8 @@ class DataLoader(TorchAttributes[_T_co]):
             or for small batches that load quickly as many consecutive ones as the workers
             load in about 20 ms, at most 32 and 1 MiB.
         thread_pool: run the workers as threads of this process.
-        timeout: most seconds to wait for one batch (or one task of small batches) before
-            raising a TimeoutError.
+        timeout: most seconds to wait for one batch, counted from when the loop asks for it,
+            before raising `gloader.BatchTimeoutError` (a TimeoutError).
         device: a CUDA device to move batches to (copied one batch ahead on a side stream).
         worker_init_fn: called as `worker_init_fn(worker_id)` once in each worker.
         seed: makes shuffling and per-batch random draws reproducible for any num_workers.

@@ -83,7 +83,7 @@ class InProcess:
     def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None:
         pass
 
-    def timed_out(self, epoch: int, numbers: list[int]) -> None:
+    def timed_out(self, epoch: int, batch_indices: list[int]) -> None:
         pass
 
     def why_late(self) -> str | None:

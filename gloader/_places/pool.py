@@ -97,11 +97,11 @@ class OnPool:
             else:
                 tuner.refused(before)
 
-    def timed_out(self, epoch: int, numbers: list[int]) -> None:
+    def timed_out(self, epoch: int, batch_indices: list[int]) -> None:
         """A batch of these took longer than the timeout: a shared pool outlives this loader, so
         the worker loading it is ended (a hung worker would hold its place forever)."""
         if not self.owns_workers:
-            self.core.kill_worker_loading(self._loader_id, epoch, numbers)
+            self.core.kill_worker_loading(self._loader_id, epoch, batch_indices)
 
     def why_late(self) -> str | None:
         return self.core.why_late()  # worker processes that never started; else the dataset's

@@ -445,7 +445,7 @@ class OnRay:
     def tune(self, tuner: Tuner, waited_s: float, worker_s: float) -> None:
         pass  # a RayPool's count stays as given
 
-    def timed_out(self, epoch: int, numbers: list[int]) -> None:
+    def timed_out(self, epoch: int, batch_indices: list[int]) -> None:
         pass  # the loader's own actors: stopping them ends the hung one
 
     def forget(self, result: Any) -> None:

@@ -19,6 +19,7 @@ from .mp import EXIT_RESULTS_CLOSED, EXIT_RETIRED, EXIT_TASKS_CLOSED, pool_worke
 
 __all__ = ["Deaths", "WorkerProcess", "describe_exit", "describe_unstarted"]
 
+
 def describe_unstarted(pids: list[int], start_method: str) -> str:
     """Why a batch waited, when worker processes `pids` are alive but never reached the pool's
     initializer: under fork, stopped before any Python code ran; else, most likely still importing."""
