@@ -15,8 +15,8 @@ setup(
         # A range that the local CPU build 2.13 satisfies; .ci/run installs that build first
         # so pip never reaches for a multi-GB CUDA wheel.
         "torch>=2.1,<3",
-        # Capped: gloader's pool relies on names of multiprocess.Pool that are not its API, all
-        # listed in gloader/_mppool.py and checked by the tests against the release installed.
+        # Capped: gloader's pool uses three names of multiprocess that are not its API (see
+        # gloader/_pool/processes.py and channel.py), checked by the tests against the release installed.
         "multiprocess>=0.70.15,<0.71",
     ],
     extras_require={

@@ -170,7 +170,7 @@ def _warm_shared_heap() -> None:
     multiprocess.get_context("fork").Value("i", 0)
     multiprocess.get_context("fork").Array("q", 8192, lock=False)  # 64 KiB, freed at once, its arena kept
     resource_tracker.ensure_running()
-    from gloader._pool.mp import preload_in_forkserver
+    from gloader._pool.processes import preload_in_forkserver
 
     preload_in_forkserver("gloader")  # as the first forkserver loader would have it start
     forkserver.ensure_running()

@@ -53,7 +53,7 @@ def test_dead_worker_raises_within_two_seconds_naming_pid_signal_batch_and_cause
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(shared: bool, monkeypatch) -> None:
-    # The caller sleeps on its tasks until its batch's deadline; the pool's maintenance thread,
+    # The caller sleeps on its tasks until its batch's deadline; the pool's supervisor thread,
     # woken by the worker's exit, wakes it. A caller that polled would look again every slice.
     looks: list[float] = []
     entered = threading.Event()
@@ -640,7 +640,7 @@ def test_pools_outliving_or_restarted_after_dead_workers_release_their_descripto
             pool.close()
         # Flat, not ~12 more per death: the last six restarts hold no more than the first six
         # (a leak would add ~70 between them). One count can be a few over its neighbours where
-        # the pool's maintenance thread, slowed by a busy machine, has not let a dead worker go yet.
+        # the pool's supervisor thread, slowed by a busy machine, has not let a dead worker go yet.
         assert max(counts[6:]) <= max(counts[:6]) + 4, counts
     finally:
         gc.enable()

@@ -371,7 +371,7 @@ def test_a_shared_pool_goes_on_after_a_process_died_holding_one_of_its_locks(whi
     with WorkerPool(1) as pool:
         with DataLoader(np.arange(4), batch_size=2, pool=pool, timeout=10) as loader:
             list(loader)
-            held = pool.core.pool._outqueue._wlock if which == "result queue" else pool.core.spec.id_lock
+            held = pool.core.pool.results._wlock if which == "result queue" else pool.core.spec.id_lock
             taken = multiprocess.get_context("fork").Event()
             holder = multiprocess.get_context("fork").Process(target=_data.hold_lock_forever, args=(held, taken))
             holder.start()
@@ -435,21 +435,21 @@ def test_a_batch_whose_answer_cannot_be_rebuilt_in_the_caller_fails_alone() -> N
 
 @pytest.mark.parametrize("lost", ["tasks", "results"])
 def test_a_worker_that_loses_its_end_of_a_queue_says_so_instead_of_blaming_the_dataset(monkeypatch, lost) -> None:
-    from gloader._pool import mp as _mppool
+    from gloader._pool import channel
 
     name = "_take_message" if lost == "tasks" else "_write_whole"
-    original, caller = getattr(_mppool, name), os.getpid()
+    original, caller = getattr(channel, name), os.getpid()
 
     def closed(*args: Any) -> Any:
         if os.getpid() == caller:  # the caller writes to the result pipe too, to stop the pool's threads
             return original(*args)
         raise EOFError("the task socket was closed") if lost == "tasks" else BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(_mppool, name, closed)  # inherited by the forked workers
+    monkeypatch.setattr(channel, name, closed)  # inherited by the forked workers
     with DataLoader(np.arange(8), batch_size=2, num_workers=1, start_method="fork", timeout=10) as loader:
         with pytest.raises(gloader.WorkerExitedError) as info:
             list(loader)
-    code = _mppool.EXIT_TASKS_CLOSED if lost == "tasks" else _mppool.EXIT_RESULTS_CLOSED
+    code = channel.EXIT_TASKS_CLOSED if lost == "tasks" else channel.EXIT_RESULTS_CLOSED
     assert f"exited with code {code}: its {'task queue' if lost == 'tasks' else 'result pipe'} was closed" \
         in str(info.value)
     assert "dataset" not in str(info.value).split(".")[0]
@@ -515,7 +515,7 @@ def test_workers_of_a_killed_caller_exit_with_a_code_that_says_so() -> None:
     import subprocess
     import sys
 
-    from gloader._pool.mp import EXIT_RESULTS_CLOSED, EXIT_TASKS_CLOSED
+    from gloader._pool.channel import EXIT_RESULTS_CLOSED, EXIT_TASKS_CLOSED
     from gloader._worker.setup import EXIT_CALLER_GONE
 
     libc = ctypes.CDLL(None, use_errno=True)

@@ -154,7 +154,7 @@ def test_a_task_reader_killed_mid_message_leaves_the_whole_task_for_the_next_rea
 
     import multiprocess
 
-    from gloader._pool.mpclasses import TrackedQueue
+    from gloader._pool.channel import TrackedQueue
     from tests.conftest import wait_until
 
     ctx = multiprocess.get_context("fork")
@@ -193,14 +193,14 @@ def _close_task_queue(tasks) -> None:
 
 
 def _claim_then_die(tasks, record: str) -> None:
-    from gloader._pool import mp as _mppool
+    from gloader._pool import channel
 
     def claim(task) -> None:
         with open(record, "w") as handle:
             handle.write(repr(task))
         os._exit(0)  # killed between claiming the task and taking it
 
-    _mppool.on_task_taken(claim)
+    channel.on_task_taken(claim)
     tasks.get()
 
 
@@ -209,7 +209,7 @@ def test_a_worker_claims_a_task_before_taking_it_so_a_death_between_loses_nothin
     between can name a task it did not take, but never take one unnamed."""
     import multiprocess
 
-    from gloader._pool.mpclasses import TrackedQueue
+    from gloader._pool.channel import TrackedQueue
 
     ctx = multiprocess.get_context("fork")
     tasks = TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
@@ -237,15 +237,14 @@ def test_a_task_larger_than_the_socket_holds_reaches_its_reader_whole(tmp_path, 
 
     import multiprocess
 
-    from gloader._pool import mp as _mppool
-    from gloader._pool import mpclasses as _mpclasses
+    from gloader._pool import channel
 
     if atomic_bytes is not None:
-        monkeypatch.setattr(_mppool, "ATOMIC_TASK_BYTES", atomic_bytes)
+        monkeypatch.setattr(channel, "ATOMIC_TASK_BYTES", atomic_bytes)
     ctx = multiprocess.get_context("fork")
-    tasks = _mpclasses.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
+    tasks = channel.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="tasks", atomic_reads=True)
     task = ("task", bytes(range(256)) * 1200)  # ~300 KB, more than a socket holds by default
-    writer = threading.Thread(target=tasks._writer.send_bytes, args=(_mppool.pickle.dumps(task),), daemon=True)
+    writer = threading.Thread(target=tasks._writer.send_bytes, args=(channel.pickle.dumps(task),), daemon=True)
     writer.start()
     try:
         assert tasks.get() == task
@@ -272,16 +271,15 @@ def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_res
 
     import multiprocess
 
-    from gloader._pool import mp as _mppool
-    from gloader._pool import mpclasses as _mpclasses
+    from gloader._pool import channel
     from tests.conftest import wait_until
 
     ctx = multiprocess.get_context("fork")
-    results = _mpclasses.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="results")
+    results = channel.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="results")
     fd = results._writer.fileno()
     filler = b"f" * (fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) - 8192)
     results.put(filler)  # nobody reads yet: the pipe has less room left than the next result needs
-    queued = _mppool._available(fd)
+    queued = channel._available(fd)
     writer = ctx.Process(target=results.put, args=(b"r" * 20000,))
     writer.start()
 
@@ -294,7 +292,7 @@ def test_a_result_writer_killed_while_the_pipe_is_full_leaves_no_part_of_its_res
         assert wait_until(waits, 10.0)
         writer.kill()
         writer.join(10.0)
-        assert _mppool._available(fd) == queued  # none of its result went in
+        assert channel._available(fd) == queued  # none of its result went in
         results.put("next")
         assert results._reader.recv() == filler
         assert results._reader.recv() == "next"
@@ -310,11 +308,10 @@ def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_w
 
     import multiprocess
 
-    from gloader._pool import mp as _mppool
-    from gloader._pool import mpclasses as _mpclasses
+    from gloader._pool import channel
 
     ctx = multiprocess.get_context("fork")
-    results = _mpclasses.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="results")
+    results = channel.TrackedQueue(ctx=ctx, lock_dir=str(tmp_path), name="results")
     fd = results._writer.fileno()
     big = bytes(range(256)) * (fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) // 128)  # twice what the pipe holds
     writer = ctx.Process(target=results.put, args=(big,))
@@ -322,7 +319,7 @@ def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_w
     try:
         writer.join(10.0)
         assert writer.exitcode == 0  # nobody reads yet: all it put in the pipe fitted
-        assert 0 < _mppool._available(fd) <= select.PIPE_BUF  # one small message, written whole
+        assert 0 < channel._available(fd) <= select.PIPE_BUF  # one small message, written whole
         assert results._reader.recv() == big
         assert sorted(p.name for p in tmp_path.iterdir()) == ["results.read.lock", "results.write.lock"]  # the file is gone
     finally:
@@ -331,7 +328,7 @@ def test_a_result_larger_than_the_pipe_holds_goes_through_a_file_and_a_message_w
 
 def test_a_result_queue_left_open_at_interpreter_exit_closes_its_lock_quietly(tmp_path) -> None:
     # Its lock's __del__ may run after the os module is torn down.
-    code = ("import multiprocess\nfrom gloader._pool.mpclasses import TrackedQueue\n"
+    code = ("import multiprocess\nfrom gloader._pool.channel import TrackedQueue\n"
             f"queue = TrackedQueue(ctx=multiprocess.get_context('fork'), lock_dir={str(tmp_path)!r}, "
             "name='results')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -388,14 +385,11 @@ def test_a_pool_directory_is_marked_alive_and_removed_on_close() -> None:
 
 def test_a_pool_that_fails_to_start_removes_its_directory(monkeypatch) -> None:
     from gloader._pool import core as _pool
-    from gloader._pool import mpclasses as _mpclasses
 
-    def no_pool() -> Any:
-        def start(*args: Any, **kwargs: Any) -> Any:
-            raise OSError(11, "cannot start workers")
-        return start
+    def no_pool(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(11, "cannot start workers")
 
-    monkeypatch.setattr(_mpclasses, "FastPool", no_pool())
+    monkeypatch.setattr(_pool, "ProcessPool", no_pool)
     before = payload_dirs()
     with pytest.raises(OSError, match="cannot start workers"):
         _pool.make_core(2, False, "fork", [])
@@ -407,7 +401,7 @@ def test_a_pool_closed_by_a_second_ctrl_c_still_removes_its_directory(monkeypatc
 
     before = payload_dirs()
     core = _pool.make_core(2, False, "fork", [])
-    pids = [p.pid for p in core.pool._pool]
+    pids = [p.pid for p in core.pool.workers]
     stop = core._close_processes
 
     def interrupted(prompt: bool) -> None:
@@ -589,12 +583,12 @@ def _big_bytes(samples: list[Any]) -> bytes:
 def test_a_full_temp_directory_fails_the_batch_naming_the_directory_not_the_worker(monkeypatch) -> None:
     import errno
 
-    from gloader._pool import mp as _mppool
+    from gloader._pool import channel
 
     def full(data: bytes, directory: str) -> bytes:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_mppool, "spill", full)  # inherited by the forked worker
+    monkeypatch.setattr(channel, "spill", full)  # inherited by the forked worker
     with DataLoader(list(range(8)), batch_size=2, num_workers=1, start_method="fork", batchify_fn=_big_bytes) as loader:
         with pytest.raises(OSError, match=r"could not write a \d+\.\d MiB result to .*gloader-payload-.*TMPDIR") as info:
             list(loader)
@@ -635,29 +629,15 @@ def test_closing_while_a_worker_loads_a_batch_nobody_wants_is_quiet(caplog) -> N
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
 
 
-def test_every_name_of_multiprocess_that_the_pool_relies_on_is_in_the_installed_release() -> None:
-    """The pool uses names of multiprocess.Pool that are not its API (all listed in _mppool);
-    a multiprocess release that renames one fails here, not in a user's pool thread."""
-    from gloader._pool import core as _pool
-    from gloader._pool import mp as _mppool
+def test_the_three_undocumented_names_of_multiprocess_the_pool_uses_are_in_the_installed_release() -> None:
+    """The pool runs on multiprocess's documented API but for three names (the exit hooks a
+    worker runs at its end, the table of children a forked child must leave, what the fork
+    server preloads): a release that renames one fails here, not in a user's worker."""
+    from multiprocess import forkserver, process, util
 
-    core = _pool.make_core(1, False, "fork", [])
-    try:
-        assert _mppool.missing_multiprocess_names(core.pool) == []
-        assert _mppool.missing_multiprocess_names(object()) == [f"Pool().{name}" for name in _mppool.POOL_ATTRIBUTES]
-    finally:
-        core.close()
-
-
-def test_a_renamed_name_of_multiprocess_is_named_when_a_pool_is_made(monkeypatch) -> None:
-    from gloader._pool import core as _pool
-    from gloader._pool import mp as _mppool
-
-    names = dict(_mppool.MODULE_NAMES, **{"multiprocess.pool": ("worker", "Pool._renamed_in_a_release")})
-    monkeypatch.setattr(_mppool, "MODULE_NAMES", names)
-    monkeypatch.setattr(_mppool, "_CHECKED", False)
-    with pytest.raises(ImportError, match=r"multiprocess\.pool\.Pool\._renamed_in_a_release.*<0\.71"):
-        _pool.make_core(1, False, "fork", [])
+    assert callable(util._exit_function)
+    assert isinstance(process._children, set)
+    assert isinstance(list(forkserver._forkserver._preload_modules), list)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -409,7 +409,7 @@ def test_a_dataset_exiting_with_the_retire_code_while_the_pool_shrinks_is_a_deat
     while a retire is pending must not be taken for it: the error names that worker and batch."""
     import threading
 
-    from gloader._pool.mp import EXIT_RETIRED
+    from gloader._pool.channel import EXIT_RETIRED
 
     quick_windows.setattr(_tuning.Tuner, "_choose", Scripted([]))  # the test resizes, not the tuner
     go, stamp = tmp_path / "go", tmp_path / "pid"

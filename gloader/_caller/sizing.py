@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .._pool.mp import ATOMIC_TASK_BYTES
+from .._pool.channel import ATOMIC_TASK_BYTES
 from .._wire.protocol import Job, Loaded, StreamRequest
 from .slots import TASK_BYTES
 
@@ -15,7 +15,7 @@ __all__ = ["TASK_KEY_BYTES", "TASK_TARGET_S", "TaskSizer", "key_bytes"]
 # (~0.1-0.2 ms of the caller's CPU on a local pool) is shared: as many consecutive batches of
 # one epoch as the workers load in about the strategy's target (TASK_TARGET_S for a local
 # process pool; see `_places`, `_places.ray`), at most _MAX_BATCHES_PER_TASK and TASK_BYTES (what
-# the slots are sized for), with keys a worker can read whole (_pool.mp.ATOMIC_TASK_BYTES); an
+# the slots are sized for), with keys a worker can read whole (_pool.channel.ATOMIC_TASK_BYTES); an
 # epoch's first task carries one batch. Longer target: less overhead per batch; shorter: less
 # in flight. The measurements behind these numbers: docs/design.md, "Several small batches to
 # a task".

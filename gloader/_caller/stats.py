@@ -37,7 +37,7 @@ _LISTED_EPOCHS = 64
 # A batch's hops, in order, as the engine times them: dispatch_s (queued until a worker began
 # it: the pool's task thread, the pipe, waiting for a free worker), worker_fetch_s and
 # worker_batchify_s (in the worker), return_s (the result's trip back: encoding, the pipe, the
-# pool's result thread), window_s (finished, waiting in the window for the caller to ask),
+# pool's supervisor thread), window_s (finished, waiting in the window for the caller to ask),
 # handover_s (rebuilding it into tensors in the caller).
 HOPS = ("dispatch_s", "worker_fetch_s", "worker_batchify_s", "return_s", "window_s", "handover_s")
 

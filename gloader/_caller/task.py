@@ -43,7 +43,7 @@ class Task:
         self.slot = slot
         self.result: Any = None
         self.submitted = time.monotonic()
-        # When the final result arrived, set by the pool's result thread through `mark_arrived`
+        # When the final result arrived, set by the pool's supervisor thread through `mark_arrived`
         # (the callback given with the task). A list, not an attribute, and a callback that
         # holds only it: the pool keeps the callback, and one bound to the task would tie the
         # task, its result and the pool into a cycle (pipes open until gc).
@@ -140,7 +140,7 @@ class Task:
     def wait(self, slots: SlotPool | None, timeout_s: float, exits: Any = None, seen: int = 0) -> bool:
         """Wait up to `timeout_s` for the next batch's answer; True once it is in (the caller
         has just looked: `receive`). A process pool's result rings `wakeup` when any task of
-        the loader progresses and when a worker exits (see `_pool.mpclasses._WorkerList`), so the whole
+        the loader progresses and when a worker exits (see `_pool.processes`), so the whole
         wait is one sleep; other results are waited on for at most _POLL_S at a time. Returns
         False without sleeping when `exits.exited` is no longer `seen` (the exits the caller
         has looked at): an exit rung before the event was cleared would not wake it."""

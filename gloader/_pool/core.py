@@ -1,11 +1,9 @@
-"""Worker pools: one `multiprocess.Pool` (or thread pool), supervised, with a shutdown ladder.
+"""Worker pools: one of gloader's own pools (`_pool.processes`), supervised, with a shutdown ladder.
 
-`PoolCore` wraps the pool itself. The pool never tells anyone that a worker died: it silently
-starts a replacement and the task the dead worker held never completes (CPython bpo-22393).
-So its maintenance thread's removal of an exited worker counts the exit and wakes the waiting
-callers (`_pool.mpclasses._WorkerList`), and a caller that sees the count grow asks `find_dead_worker()`,
-which reads the exit codes (`_pool.deaths`). Shutdown climbs a ladder: ask (close), join with a deadline,
-terminate, join, kill.
+`PoolCore` wraps the pool itself. The pool tells nobody which task a dead worker held: its
+supervisor counts each exit and wakes the waiting callers, and a caller that sees the count
+grow asks `find_dead_worker()`, which reads the exit codes and the status table (`_pool.deaths`).
+Shutdown climbs a ladder: ask (close), join with a deadline, terminate, join, kill.
 
 A loader that owns its pool uses a `PoolCore` directly; `_places.shared.WorkerPool`, the pool
 several loaders may share, holds one. The whole flow is drawn in `_caller.engine`.
@@ -33,23 +31,10 @@ from .._worker.run import (
     run_task,
 )
 from .admission import usable_cpus
+from .channel import disk_full
 from .deaths import Deaths, describe_unstarted
 from .directory import PoolDirectory, ProcessLock, open_private_file
-from .mp import (
-    check_multiprocess,
-    disk_full,
-    exit_counter,
-    forget_pool_after_fork,
-    forget_task,
-    make_thread_pool,
-    pool_resizing,
-    pool_running,
-    pool_workers,
-    preload_in_forkserver,
-    release_pool_files,
-    resize_pool,
-    stop_maintenance,
-)
+from .processes import ProcessPool, ThreadPool, exit_code, preload_in_forkserver
 
 __all__ = ["PoolCore", "ProcessCore", "ThreadCore", "WorkerExitedError", "make_core"]
 
@@ -87,7 +72,7 @@ class PoolCore:
 
     is_thread = False
     status: StatusTable | None = None  # process pools: what each worker is doing
-    # Its `exited` counts the workers that exited so far (see `_pool.mp.exit_counter`): a
+    # Its `exited` counts the workers that exited so far (the process pool's own count): a
     # caller looks for deaths (`find_dead_worker`) only once it grew. Threads do not exit
     # apart from the caller.
     exits: Any = types.SimpleNamespace(exited=0)
@@ -123,14 +108,13 @@ class PoolCore:
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
                wakeup: threading.Event | None = None) -> Any:
         """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult.
-        `on_ready(result)` runs in the pool's result thread as the result arrives; process
-        pools set `wakeup` as the task progresses and when a worker exits (see ProcessCore)."""
+        `on_ready(result)` runs in the thread that receives the result as it arrives; process
+        set `wakeup` as the task progresses (process pools also when a worker exits)."""
         raise NotImplementedError
 
     @property
     def closed(self) -> bool:
-        """Closed by us, or terminated by multiprocess (at interpreter exit)."""
-        return self._closed or not pool_running(self.pool)
+        return self._closed
 
     def worker_pids(self) -> list[int]:
         """Pids of the worker processes (none for threads)."""
@@ -195,12 +179,12 @@ class PoolCore:
     def forget_after_fork(self) -> None:
         """In a process forked (by `os.fork()`, not by the pool) from the one that made this
         pool: its workers are the parent's. Mark it closed so that nothing here stops them,
-        neither `close()` nor, at this process's exit, the pool's own finalizer or multiprocess's
-        exit handler, which terminates every daemonic child it knows of (in the parent's table)."""
+        neither `close()` nor, at this process's exit, multiprocess's exit handler, which
+        terminates every daemonic child it knows of (in the parent's table)."""
         self._closed = True
         pool = getattr(self, "pool", None)  # None: forked while the pool was being made
-        if pool is not None:
-            forget_pool_after_fork(pool, processes=not self.is_thread)
+        if isinstance(pool, ProcessPool):
+            pool.forget_after_fork()
 
     def _close_files(self) -> None:
         for lock in (self._id_lock, *self._permits):
@@ -208,21 +192,6 @@ class PoolCore:
                 lock.close()
         self._directory.close()
 
-    def _stop_pool_threads(self) -> None:
-        stopper = threading.Thread(target=self.pool.terminate, name="gloader-pool-stop", daemon=True)
-        stopper.start()
-        stopper.join(_POOL_THREADS_S)
-        if stopper.is_alive():
-            logger.warning("the pool's bookkeeping threads did not stop within %.1f s", _POOL_THREADS_S)
-            return
-        # The pipe that woke the maintenance thread, which has stopped: closed now, not when the
-        # pool object is collected, which an exception's traceback (kept by a notebook) can delay.
-        # The same for the queues' ends and locks and the ended workers' sentinels.
-        release_pool_files(self.pool, processes=not self.is_thread)
-        self._after_pool_stopped()
-
-    def _after_pool_stopped(self) -> None:
-        pass
 
 
 class ThreadCore(PoolCore):
@@ -234,11 +203,11 @@ class ThreadCore(PoolCore):
         self.spec = PoolSpec(num_workers=self.num_workers, counter=ctx.Value("i", 0), id_lock=None, status=None,
                              incarnations=None, main_pid=os.getpid(), payload_dir=self.payload_dir,
                              generation=ctx.Value("i", 0, lock=False))
-        self.pool = make_thread_pool(self.num_workers, initialize_thread_worker, (self.spec, registrations))
+        self.pool = ThreadPool(self.num_workers, initialize_thread_worker, (self.spec, registrations))
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
                wakeup: threading.Event | None = None) -> Any:
-        return self.pool.apply_async(run_task, args, callback=on_ready)
+        return self.pool.apply_async(run_task, args, on_ready, wakeup)
 
     def join(self, loader_id: int, payload: Payload) -> None:
         """Register a loader on the running pool (this process's registry: at once)."""
@@ -255,19 +224,17 @@ class ThreadCore(PoolCore):
         pool = self.pool
         pool.close()
         deadline = time.monotonic() + _ASK_S + _TERMINATE_S
-        threads = pool_workers(pool)
-        for thread in threads:
+        for thread in pool.workers:
             thread.join(max(0.0, deadline - time.monotonic()))
-        busy = [t.name for t in threads if t.is_alive()]
+        busy = [t.name for t in pool.workers if t.is_alive()]
         if busy:
             logger.warning("gloader thread workers %s are still running user code after %.1f s; "
                            "they are daemon threads and end with the interpreter", busy, _ASK_S + _TERMINATE_S)
-        self._stop_pool_threads()
 
 
 class ProcessCore(PoolCore):
-    """A pool of worker processes, supervised: the pool never tells anyone that a worker died
-    (see the module's docstring), so `find_dead_worker` reads exit codes itself."""
+    """A pool of worker processes, supervised: the pool tells nobody which task a dead worker
+    held (see the module's docstring), so `find_dead_worker` reads exit codes itself."""
 
     def __init__(self, num_workers: int, start_method: str | None, registrations: list[tuple[int, Payload]],
                  capacity: int | None = None) -> None:
@@ -308,25 +275,22 @@ class ProcessCore(PoolCore):
             from multiprocess import resource_tracker
 
             resource_tracker.ensure_running()
-        check_multiprocess()  # a release that renamed a name gloader relies on is named here
         if ctx.get_start_method() == "forkserver":
             preload_in_forkserver("gloader")
-        from .mpclasses import FastPool  # imported only now: see _mpclasses
-
         with _sigint_blocked():
-            self.pool = FastPool(self.num_workers, initializer=initialize_process_worker,
-                                 initargs=(self.spec, registrations), context=ctx, lock_dir=self.payload_dir)
-        self.exits = exit_counter(self.pool)
+            self.pool = ProcessPool(ctx, self.num_workers, initialize_process_worker, (self.spec, registrations),
+                                    self.payload_dir)
+        self.exits = self.pool
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
                wakeup: threading.Event | None = None) -> Any:
         """Queue one `_worker.run_task(*args)`; its result receives the parts a task sends
-        before its end in `chunks` (see `_pool.mp.send_partial`), and sets `wakeup` as they
+        before its end in `chunks` (see `_pool.channel.send_partial`), and sets `wakeup` as they
         come and when a worker exits."""
-        return self.pool.submit_task(run_task, args, on_ready, wakeup)
+        return self.pool.apply_async(run_task, args, on_ready, wakeup)
 
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in pool_workers(self.pool)]
+        return [p.pid for p in self.pool.workers]
 
     def resize(self, count: int) -> bool:
         """Keep `count` workers from now on: new ones start (and claim free ids), or idle ones
@@ -335,9 +299,9 @@ class ProcessCore(PoolCore):
         if not 1 <= count <= self.capacity:
             raise ValueError(f"a pool of capacity {self.capacity} cannot keep {count} workers")
         with self._lock:
-            if self._closed or pool_resizing(self.pool) or self._deaths.retiring:
+            if self._closed or self.pool.resizing or self._deaths.retiring:
                 return False
-            self._deaths.retiring += resize_pool(self.pool, count)
+            self._deaths.retiring += self.pool.resize(count)
         logger.debug("resizing the pool to %d workers", count)
         return True
 
@@ -345,12 +309,12 @@ class ProcessCore(PoolCore):
         if self._closed or self.status is None:
             return False
         with self._lock:
-            if pool_resizing(self.pool) or self._deaths.retiring:
+            if self.pool.resizing or self._deaths.retiring:
                 self._deaths.notice(self.pool, self.status)  # counts the retired
-                if pool_resizing(self.pool) or self._deaths.retiring:
+                if self.pool.resizing or self._deaths.retiring:
                     return False
             # Workers seen with their id are not looked up again: a look scans the status table.
-            pids = {p.pid for p in pool_workers(self.pool)}
+            pids = {p.pid for p in self.pool.workers}
             self._claimed &= pids
             self._claimed.update(pid for pid in pids - self._claimed if self.status.worker_id(pid) is not None)
             return self._claimed == pids
@@ -359,7 +323,7 @@ class ProcessCore(PoolCore):
         if self._closed or self.status is None:
             return None
         status = self.status
-        unstarted = [p.pid for p in pool_workers(self.pool) if p.pid is not None and status.worker_id(p.pid) is None]
+        unstarted = [p.pid for p in self.pool.workers if p.pid is not None and status.worker_id(p.pid) is None]
         if not unstarted:
             return None
         import multiprocess
@@ -367,7 +331,7 @@ class ProcessCore(PoolCore):
         return describe_unstarted(unstarted, multiprocess.get_context(self.start_method).get_start_method())
 
     def worker_processes(self) -> list[Any]:
-        processes = pool_workers(self.pool)
+        processes = list(self.pool.workers)
         if self.status is not None:
             ids = {p.pid: self.status.worker_id(p.pid) for p in processes}
             processes.sort(key=lambda p: (ids[p.pid] is None, ids[p.pid] or 0))  # one not yet started last
@@ -376,7 +340,7 @@ class ProcessCore(PoolCore):
     def find_dead_worker(self, loader_id: int | None = None) -> str | None:
         """Describe a worker process that has died, once, to the loader it concerns; or None.
 
-        Reads exit codes itself, because the pool replaces dead workers silently. A worker
+        Reads exit codes itself: the pool replaces dead workers without a word. A worker
         that died holding a task (loading it or sending its result) lost that task: its death
         is reported to the loader the task belongs to (`loader_id`; None takes any), so on a
         shared pool the other loaders, which lost nothing, go on. A death while idle lost no
@@ -393,7 +357,7 @@ class ProcessCore(PoolCore):
         would hold a place forever); the pool starts a replacement. Returns its pid, or None."""
         if self.status is None:
             return None
-        for process in pool_workers(self.pool):
+        for process in self.pool.workers:
             doing = self.status.doing(process.pid)
             if doing is not None and doing[:2] == (loader_id, epoch) and doing[2] in batch_indices:
                 batch_index = doing[2]
@@ -425,7 +389,7 @@ class ProcessCore(PoolCore):
     def forget(self, result: Any) -> None:
         """A task of a loader leaving the pool that did not finish (its worker died, or hangs):
         the pool stops waiting for it."""
-        forget_task(self.pool, result)
+        self.pool.forget(result)
 
     def leave(self, loader_id: int) -> None:
         """Drop a loader at the workers' next task for it (its payload file is gone and the
@@ -448,20 +412,17 @@ class ProcessCore(PoolCore):
 
     def _close_processes(self, prompt: bool) -> None:
         pool = self.pool
-        pool.close()  # ask: each idle worker takes a stop sentinel and exits
-        processes = pool_workers(pool)
+        pool.close()  # ask: each worker takes a stop after the tasks queued, and exits; none is replaced
+        processes = pool.workers
         asked = not prompt and _join_all(processes, _ASK_S)
-        # Also after they all stopped: a worker that died with a task pending was replaced
-        # meanwhile, maybe after the stop sentinels, and that one would idle on (see below).
-        self._stop_maintenance()
-        alive = [p for p in set(processes) | set(pool_workers(pool)) if p.exitcode is None]
+        alive = [p for p in processes if exit_code(p) is None]
         if alive:
             busy = [p.pid for p in alive if self.status is not None and self.status.doing(p.pid) is not None]
             if prompt:
                 logger.warning("gloader workers %s: terminating them after a failed batch (a dead worker or "
                                "a timeout)", [p.pid for p in alive])
             elif asked:
-                logger.debug("gloader workers %s replaced dead ones while the pool closed; terminating them",
+                logger.debug("gloader workers %s are still running after they all stopped; terminating them",
                              [p.pid for p in alive])
             elif len(busy) == len(alive):  # loading batches nobody wants any more: nothing is wrong
                 logger.debug("gloader workers %s still load batches no longer wanted after %.1f s; terminating them",
@@ -472,28 +433,23 @@ class ProcessCore(PoolCore):
             for process in alive:
                 process.terminate()
             if not _join_all(alive, _TERMINATE_S):
-                alive = [p for p in alive if p.exitcode is None]
+                alive = [p for p in alive if exit_code(p) is None]
                 logger.warning("gloader workers %s ignored SIGTERM for %.1f s; killing them",
                                [p.pid for p in alive], _TERMINATE_S)
                 for process in alive:
                     process.kill()
                 if not _join_all(alive, _KILL_S):
-                    logger.warning("gloader workers %s survived SIGKILL", [p.pid for p in alive if p.exitcode is None])
+                    logger.warning("gloader workers %s survived SIGKILL", [p.pid for p in alive if exit_code(p) is None])
         # The queues' locks need no freeing: the kernel released those a killed worker held.
-        self._stop_pool_threads()
-
-    def _stop_maintenance(self) -> None:
-        """Stop the pool's maintenance thread before stopping workers.
-
-        While tasks are pending it starts a replacement for every worker that exits, and a
-        replacement started after `close()` sent its stop sentinels idles forever holding the
-        task queue's read lock, on which `pool.terminate()` then blocks. Waking it is needed:
-        it sleeps until notified.
-        """
-        if not stop_maintenance(self.pool, _POOL_THREADS_S):
-            logger.warning("the pool's maintenance thread did not stop within %.1f s", _POOL_THREADS_S)
-
-    def _after_pool_stopped(self) -> None:
+        # The pool's threads and pipes go now, not when the pool object is collected, which an
+        # exception's traceback (kept by a notebook) can delay; the same for the ended workers'
+        # sentinels.
+        stopper = threading.Thread(target=pool.stop, name="gloader-pool-stop", daemon=True)
+        stopper.start()
+        stopper.join(_POOL_THREADS_S)
+        if stopper.is_alive():
+            logger.warning("the pool's threads did not stop within %.1f s", _POOL_THREADS_S)
+            return
         self._deaths.close_ended(self.pool)
 
 
@@ -508,4 +464,4 @@ def _join_all(processes: list[Any], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
-    return all(p.exitcode is not None for p in processes)
+    return all(exit_code(p) is not None for p in processes)

@@ -1,7 +1,7 @@
 """The deaths of a process pool's workers: noticed from exit codes, described, reported once.
 
-The pool never tells anyone that a worker died: it silently starts a replacement and the task
-the dead worker held never completes (CPython bpo-22393). `Deaths` keeps every process the
+The pool starts a replacement for a dead worker, and the task the dead worker held never
+completes (as in `multiprocessing.Pool`, CPython bpo-22393). `Deaths` keeps every process the
 pool started, notices those that ended, tells a death from a worker retired by a resize or
 killed on purpose, and reports each death once, to the loader whose task it lost. Runs in
 the caller's process, under the pool's lock (`_pool.core.ProcessCore`).
@@ -15,7 +15,8 @@ from typing import Any
 
 from .._worker.run import StatusTable
 from .._worker.setup import EXIT_CALLER_GONE
-from .mp import EXIT_RESULTS_CLOSED, EXIT_RETIRED, EXIT_TASKS_CLOSED, pool_workers
+from .channel import EXIT_RESULTS_CLOSED, EXIT_RETIRED, EXIT_TASKS_CLOSED
+from .processes import exit_code
 
 __all__ = ["Deaths", "WorkerProcess", "describe_exit", "describe_unstarted"]
 
@@ -85,7 +86,7 @@ class WorkerProcess:
     @property
     def exitcode(self) -> int | None:
         try:
-            return self._process.exitcode  # type: ignore[no-any-return]
+            return exit_code(self._process)
         except ValueError:  # closed: it had ended
             return self._exit_codes.get(self.pid)
 
@@ -155,11 +156,11 @@ class Deaths:
         alive: list[Any] = []
         dead: list[Any] = []
         for process in self._watched:
-            (alive if process.exitcode is None else dead).append(process)
+            (alive if exit_code(process) is None else dead).append(process)
         self._watched = alive
-        # Ended workers' sentinels are closed once the pool's maintenance thread has let go of
+        # Ended workers' sentinels are closed once the pool's supervisor has let go of
         # them (a shared pool outlives many deaths), the rest with the pool.
-        current = pool_workers(pool)
+        current = pool.workers
         ended = [p for p in self._ended if p in current]
         for process in self._ended:
             if process not in ended:
@@ -194,6 +195,6 @@ class Deaths:
 
     def close_ended(self, pool: Any) -> None:
         """The pool has stopped: release every ended process's descriptors."""
-        for process in {*self._ended, *self._watched, *pool.started, *pool_workers(pool)}:
+        for process in {*self._ended, *self._watched, *pool.started, *pool.workers}:
             if process.exitcode is not None:
                 self.close_process(process)

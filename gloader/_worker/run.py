@@ -25,8 +25,8 @@ import traceback
 from typing import Any, Callable, ContextManager
 
 from .._pool.admission import Admission
+from .._pool.channel import is_retire_task, on_result_sent, on_task_taken, on_task_wanted, send_partial
 from .._pool.directory import open_private_file
-from .._pool.mp import is_retire_task, on_result_sent, on_task_taken, on_task_wanted, send_partial
 from .._wire.protocol import StreamRequest, WorkerFailure, encode, encode_answers
 from .._wire.seed import seed_global_rng
 from .._wire.segment import Slot
@@ -447,10 +447,10 @@ def initialize_process_worker(spec: PoolSpec, registrations: list[tuple[int, Pay
 
 
 def _claim_task(link: _ProcessLink, task: Any) -> None:
-    """Mark a task of the pool's worker loop, `(job, i, func, args, kwargs)`, as this worker's
-    before it takes it (the stop sentinel, None, is no task)."""
-    if isinstance(task, tuple) and len(task) == 5 and task[2] is run_task:
-        loader_id, epoch, batches = task[3][:3]
+    """Mark a task of the pool's worker loop, `(job, func, args)`, as this worker's before it
+    takes it (the stop, None, is no task)."""
+    if type(task) is tuple and len(task) == 3 and task[1] is run_task:
+        loader_id, epoch, batches = task[2][:3]
         link.begin(loader_id, epoch, batches[0][0])
     elif is_retire_task(task):
         link.status.mark_retired(link.row)
