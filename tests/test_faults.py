@@ -95,6 +95,31 @@ def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(
             pool.close()
 
 
+def test_a_caller_waiting_on_thread_workers_is_woken_by_its_batch_not_by_polling(monkeypatch) -> None:
+    # Thread workers ring the loader's event as their task ends: the caller sleeps once while
+    # the batch loads, where it looked every 40 ms when their results were polled.
+    looks: list[float] = []
+    original = _task.Task.wait
+
+    def counted(task: _task.Task, slots: Any, timeout_s: float, *rest: Any) -> bool:
+        looks.append(timeout_s)
+        return original(task, slots, timeout_s, *rest)
+
+    monkeypatch.setattr(_task.Task, "wait", counted)
+    dataset = _data.GatedLoads(8, gated=4)
+    with DataLoader(dataset, batch_size=2, num_workers=1, thread_pool=True, timeout=60) as loader:
+        it = iter(loader)
+        assert [int(x) for x in next(it)] == [0, 1] and [int(x) for x in next(it)] == [2, 3]
+        looks.clear()
+        opener = threading.Timer(0.5, dataset.gate.set)  # batch 2 loads for half a second
+        opener.start()
+        try:
+            assert [int(x) for x in next(it)] == [4, 5]
+        finally:
+            opener.join(5)
+        assert 1 <= len(looks) <= 2, looks  # polled: about 12
+
+
 @pytest.mark.timeout(30)
 def test_an_exit_rung_before_the_caller_cleared_its_event_does_not_leave_it_asleep() -> None:
     # The pool counts an exit, then rings the loader's event; the caller clears the event just

@@ -13,8 +13,8 @@ from .waits import as_ctrl_c, ctrl_c_as_itself
 
 __all__ = ["Task", "TaskWindow", "describe_keys", "timeout_error"]
 
-# How long one wait lasts, on a task whose pool does not ring when a worker exits or another
-# task finishes (thread workers, in-process, Ray), before the engine looks at the deadline
+# How long one wait lasts, on a task whose place does not ring when another task finishes
+# (in-process loading, Ray), before the engine looks at the deadline
 # and, with in_order=False, at the other tasks again. Longer: fewer wake-ups; shorter: a
 # batch that finished out of order is taken sooner.
 _POLL_S = 0.04
@@ -139,9 +139,9 @@ class Task:
 
     def wait(self, slots: SlotPool | None, timeout_s: float, exits: Any = None, seen: int = 0) -> bool:
         """Wait up to `timeout_s` for the next batch's answer; True once it is in (the caller
-        has just looked: `receive`). A process pool's result rings `wakeup` when any task of
-        the loader progresses and when a worker exits (see `_pool.processes`), so the whole
-        wait is one sleep; other results are waited on for at most _POLL_S at a time. Returns
+        has just looked: `receive`). A pool's result rings `wakeup` when any task of the loader
+        progresses and, on a process pool, when a worker exits (see `_pool.processes`), so the
+        whole wait is one sleep; other results are waited on for at most _POLL_S at a time. Returns
         False without sleeping when `exits.exited` is no longer `seen` (the exits the caller
         has looked at): an exit rung before the event was cleared would not wake it."""
         wakeup = getattr(self.result, "wakeup", None)

@@ -168,9 +168,15 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: Any) -> Any:
     """What `dumps` pickled (dill reads the stdlib's pickles too)."""
-    from multiprocess.reduction import ForkingPickler
+    global _unpickle
+    if _unpickle is None:  # imported once, when first needed: importing gloader imports no multiprocess
+        from multiprocess.reduction import ForkingPickler
 
-    return ForkingPickler.loads(data)
+        _unpickle = ForkingPickler.loads
+    return _unpickle(data)
+
+
+_unpickle: Callable[[Any], Any] | None = None
 
 
 def _available(fd: int) -> int:

@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -41,11 +42,13 @@ _BLIND_POLL_S = 0.1
 _RECORDED_S = 0.1
 
 
-def _has_ended(pid: int) -> bool:
-    """Whether child `pid` has ended, without reaping it (the supervision reads its exit code,
-    see `exit_code`)."""
+def _has_ended(process: Any) -> bool:
+    """Whether child `process` has ended, without reaping it (the supervision reads its exit
+    code, see `exit_code`). Where the system has no waitid (not Linux), by its exit code."""
+    if not hasattr(os, "waitid"):
+        return process.exitcode is not None
     try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:  # reaped already
         return True
 
@@ -56,7 +59,7 @@ def exit_code(process: Any) -> int | None:
     the thread whose wait finds the child reaped reads None until the other has recorded the
     code, a moment later."""
     code = process.exitcode
-    if code is None and _has_ended(process.pid):
+    if code is None and _has_ended(process):
         deadline = time.monotonic() + _RECORDED_S
         while (code := process.exitcode) is None and time.monotonic() < deadline:
             time.sleep(_ENDING_POLL_S)
@@ -283,20 +286,30 @@ class ProcessPool:
                 return
 
     def _supervise(self) -> None:
-        from multiprocess.connection import wait
-
-        reader = self.results._reader
+        reader, wake = self.results._reader, self._wake_read
+        everything, results = select.poll(), select.poll()  # kept: a selector made per wait cost ~4% of W1
+        for fd in (reader.fileno(), wake):
+            everything.register(fd, select.POLLIN)
+        results.register(reader.fileno(), select.POLLIN)
+        watched: dict[int, Any] = {}  # sentinel -> worker process
         blind: list[Any] = []  # alive with their sentinel closed (they closed the descriptor): polled
+        known: list[Any] = []  # the list of workers last looked at (a change rebinds it)
         while True:
-            sentinels = {process.sentinel: process for process in self.workers if process not in blind}
-            ready = wait([reader, self._wake_read, *sentinels], _BLIND_POLL_S if blind else None)
-            if reader in ready:
-                self._take_results(reader)
-            closed = [sentinels[fd] for fd in ready if fd in sentinels]
+            if self.workers is not known:
+                known = self.workers
+                for process in set(known) - set(watched.values()) - set(blind):
+                    watched[process.sentinel] = process
+                    everything.register(process.sentinel, select.POLLIN)
+            ready = {fd for fd, _ in everything.poll(int(_BLIND_POLL_S * 1000) if blind else None)}
+            if reader.fileno() in ready:
+                self._take_results(reader, results)
+            closed = [watched.pop(fd) for fd in ready if fd in watched]
+            for process in closed:
+                everything.unregister(process.sentinel)
             deadline = time.monotonic() + _REAP_S  # its descriptors close a moment before it has ended
-            while closed and not all(_has_ended(p.pid) for p in closed) and time.monotonic() < deadline:
+            while closed and not all(_has_ended(p) for p in closed) and time.monotonic() < deadline:
                 time.sleep(_ENDING_POLL_S)
-            ended = [process for process in closed + blind if _has_ended(process.pid)]
+            ended = [process for process in closed + blind if _has_ended(process)]
             blind += [process for process in closed if process not in ended]
             if ended:
                 blind = [process for process in blind if process not in ended]
@@ -304,8 +317,8 @@ class ProcessPool:
                 self.exited += len(ended)  # counted once its exit code is there for the caller to read
                 for result in list(self._awaited.values()):
                     result.wakeup.set()
-            if self._wake_read in ready:
-                os.read(self._wake_read, 64)
+            if wake in ready:
+                os.read(wake, 64)
                 if self._stopping:
                     return
             try:
@@ -313,7 +326,7 @@ class ProcessPool:
             except Exception:  # out of processes or descriptors: the next exit or resize tries again
                 logger.warning("gloader could not start a worker process", exc_info=True)
 
-    def _take_results(self, reader: Any) -> None:
+    def _take_results(self, reader: Any, results: select.poll) -> None:
         while True:
             try:
                 job, index, outcome = loads(reader.recv_bytes())
@@ -324,7 +337,7 @@ class ProcessPool:
                 if index != PARTIAL or not outcome[0]:
                     del self._awaited[job]
                 result.set(index, outcome)
-            if not reader.poll():
+            if not results.poll(0):
                 return
 
 
