@@ -288,9 +288,10 @@ class ProcessPool:
     def _supervise(self) -> None:
         reader, wake = self.results._reader, self._wake_read
         everything, results = select.poll(), select.poll()  # kept: a selector made per wait cost ~4% of W1
-        for fd in (reader.fileno(), wake):
+        reader_fd = reader.fileno()
+        for fd in (reader_fd, wake):
             everything.register(fd, select.POLLIN)
-        results.register(reader.fileno(), select.POLLIN)
+        results.register(reader_fd, select.POLLIN)
         watched: dict[int, Any] = {}  # sentinel -> worker process
         blind: list[Any] = []  # alive with their sentinel closed (they closed the descriptor): polled
         known: list[Any] = []  # the list of workers last looked at (a change rebinds it)
@@ -300,8 +301,12 @@ class ProcessPool:
                 for process in set(known) - set(watched.values()) - set(blind):
                     watched[process.sentinel] = process
                     everything.register(process.sentinel, select.POLLIN)
-            ready = {fd for fd, _ in everything.poll(int(_BLIND_POLL_S * 1000) if blind else None)}
-            if reader.fileno() in ready:
+            events = everything.poll(int(_BLIND_POLL_S * 1000) if blind else None)
+            if len(events) == 1 and events[0][0] == reader_fd and not blind:  # results alone: the common case
+                self._take_results(reader, results)
+                continue
+            ready = {fd for fd, _ in events}
+            if reader_fd in ready:
                 self._take_results(reader, results)
             closed = [watched.pop(fd) for fd in ready if fd in watched]
             for process in closed:
