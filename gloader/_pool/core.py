@@ -107,9 +107,9 @@ class PoolCore:
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
                wakeup: threading.Event | None = None) -> Any:
-        """Queue one `_worker.run_task(*args)` on the pool; returns its AsyncResult.
-        `on_ready(result)` runs in the thread that receives the result as it arrives; process
-        set `wakeup` as the task progresses (process pools also when a worker exits)."""
+        """Queue one `_worker.run_task(*args)` on the pool; returns its `TaskResult`.
+        `on_ready(value)` runs in the thread that receives the result as it arrives; `wakeup`
+        is set as the task progresses (on a process pool, also when a worker exits)."""
         raise NotImplementedError
 
     @property
@@ -191,7 +191,6 @@ class PoolCore:
             if lock is not None:
                 lock.close()
         self._directory.close()
-
 
 
 class ThreadCore(PoolCore):

@@ -35,7 +35,7 @@ _STOP = object()  # ends the task writer (never sent)
 # How long the supervisor waits for a worker whose sentinel closed to end (it is exiting: well
 # under a millisecond), looking every _ENDING_POLL_S, and how often it looks at one that closed
 # its sentinel and lives on.
-_REAP_S = 1.0
+_ENDING_S = 1.0
 _ENDING_POLL_S = 1e-4
 _BLIND_POLL_S = 0.1
 # How long a reader waits for the exit code of a child another thread has reaped.
@@ -311,7 +311,7 @@ class ProcessPool:
             closed = [watched.pop(fd) for fd in ready if fd in watched]
             for process in closed:
                 everything.unregister(process.sentinel)
-            deadline = time.monotonic() + _REAP_S  # its descriptors close a moment before it has ended
+            deadline = time.monotonic() + _ENDING_S  # its descriptors close a moment before it has ended
             while closed and not all(_has_ended(p) for p in closed) and time.monotonic() < deadline:
                 time.sleep(_ENDING_POLL_S)
             ended = [process for process in closed + blind if _has_ended(process)]
