@@ -598,6 +598,37 @@ def test_a_forked_worker_stuck_before_any_python_runs_is_named_by_the_timeout_an
 
 
 @pytest.mark.timeout(60)
+def test_a_forked_worker_stuck_before_any_python_runs_is_replaced_after_the_start_deadline(tmp_path) -> None:
+    """The pool kills a forked worker that has not started within the start deadline and starts
+    another: a loader with one worker loads every batch, later, instead of timing out."""
+    with _run_script(tmp_path, f"""
+        from gloader._pool import core
+
+        core._START_DEADLINE_S = 1.0  # 10 s in use
+
+        def stall_the_first_child():  # runs in each forked child before any other Python code
+            try:
+                token = os.open({str(tmp_path / "stalled")!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return
+            os.write(token, str(os.getpid()).encode())
+            os.close(token)
+            time.sleep(3600)
+
+        os.register_at_fork(after_in_child=stall_the_first_child)
+        with DataLoader(np.arange(40), batch_size=4, num_workers=1, start_method="fork", timeout=30) as loader:
+            print("batches:", [b.tolist() for b in loader] == [list(range(i, i + 4)) for i in range(0, 40, 4)],
+                  loader.worker_pids(), flush=True)
+        """) as proc:
+        out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0, err
+    stalled = int((tmp_path / "stalled").read_text())
+    assert "batches: True" in out and str(stalled) not in out, out + err
+    assert f"killed gloader worker {stalled}: it never started" in err, err
+    assert not psutil.pid_exists(stalled) or psutil.Process(stalled).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(60)
 def test_a_spawned_worker_still_importing_at_the_timeout_is_named_as_not_started(tmp_path) -> None:
     script = tmp_path / "still_importing.py"
     script.write_text(textwrap.dedent(f"""

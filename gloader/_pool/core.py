@@ -47,6 +47,12 @@ _TERMINATE_S = 1.5
 _KILL_S = 2.0
 # Deadline for the pool's own bookkeeping threads once every worker is gone.
 _POOL_THREADS_S = 5.0
+# A forked worker that has not reached the pool's initializer this long after it was first seen
+# is stuck in the interpreter's after-fork step (CPython issue 112275; a healthy one takes
+# milliseconds) and is killed, so that the pool starts another. Shorter: a worker slowed by a
+# loaded machine may be replaced needlessly (harmless); longer: a loader with one worker waits
+# that long, or times out first.
+_START_DEADLINE_S = 10.0
 
 
 @contextlib.contextmanager
@@ -246,6 +252,7 @@ class ProcessCore(PoolCore):
                                "give the inner DataLoader num_workers=0 or thread_pool=True")
         self._deaths = Deaths()  # read and changed under self._lock
         self._claimed: set[int] = set()  # pids of workers seen holding their id (see workers_ready)
+        self._first_seen: dict[int, float] = {}  # pid -> when a worker not yet started was first seen
         super().__init__(num_workers, start_method, registrations, capacity)
 
     def _start(self, ctx: Any, registrations: list[tuple[int, Payload]]) -> None:
@@ -278,7 +285,7 @@ class ProcessCore(PoolCore):
             preload_in_forkserver("gloader")
         with _sigint_blocked():
             self.pool = ProcessPool(ctx, self.num_workers, initialize_process_worker, (self.spec, registrations),
-                                    self.payload_dir)
+                                    self.payload_dir, self._kill_stuck if ctx.get_start_method() == "fork" else None)
         self.exits = self.pool
 
     def submit(self, args: tuple[Any, ...], on_ready: Callable[[Any], None] | None = None,
@@ -318,6 +325,27 @@ class ProcessCore(PoolCore):
             self._claimed.update(pid for pid in pids - self._claimed if self.status.worker_id(pid) is not None)
             return self._claimed == pids
 
+    def _kill_stuck(self, workers: list[Any]) -> bool:
+        """Under fork, in the pool's supervisor: kill the workers that have not started within
+        _START_DEADLINE_S of being first seen (see there); True while any has not started."""
+        status, now, waiting = self.status, time.monotonic(), False
+        assert status is not None
+        for process in workers:
+            if status.worker_id(process.pid) is not None:
+                self._first_seen.pop(process.pid, None)
+                continue
+            if now - self._first_seen.setdefault(process.pid, now) < _START_DEADLINE_S:
+                waiting = True
+                continue
+            self._first_seen.pop(process.pid, None)
+            with self._lock:
+                self._deaths.killed.add(process)  # no death to report: it held no task
+            process.kill()
+            logger.warning("killed gloader worker %d: it never started (%.0f s after it was forked, no code of "
+                           "gloader's had run in it; see CPython issue 112275); starting another",
+                           process.pid, _START_DEADLINE_S)
+        return waiting
+
     def why_late(self) -> str | None:
         if self._closed or self.status is None:
             return None
@@ -327,7 +355,8 @@ class ProcessCore(PoolCore):
             return None
         import multiprocess
 
-        return describe_unstarted(unstarted, multiprocess.get_context(self.start_method).get_start_method())
+        return describe_unstarted(unstarted, multiprocess.get_context(self.start_method).get_start_method(),
+                                  _START_DEADLINE_S)
 
     def worker_processes(self) -> list[Any]:
         processes = list(self.pool.workers)

@@ -21,15 +21,17 @@ from .processes import exit_code
 __all__ = ["Deaths", "WorkerProcess", "describe_exit", "describe_unstarted"]
 
 
-def describe_unstarted(pids: list[int], start_method: str) -> str:
+def describe_unstarted(pids: list[int], start_method: str, replaced_after_s: float) -> str:
     """Why a batch waited, when worker processes `pids` are alive but never reached the pool's
-    initializer: under fork, stopped before any Python code ran; else, most likely still importing."""
+    initializer: under fork, stopped before any Python code ran (the pool replaces such a worker
+    `replaced_after_s` after it was forked); else, most likely still importing."""
     which = f"worker process{'es' if len(pids) > 1 else ''} {', '.join(map(str, pids))}"
     if start_method == "fork":
         return (f"{which} never started: alive, but no code of gloader's ran in it. A process forked while "
                 "another thread of this one held the interpreter's thread-state lock stops before any Python "
                 "code runs (CPython issue 112275, fixed in later releases; threads that call into Python from C, "
-                "as torch.distributed's do, make it likely); start_method='forkserver' avoids it")
+                f"as torch.distributed's do, make it likely); the pool replaces it {replaced_after_s:g} s after it "
+                "was forked, so a timeout= above that rides it out; start_method='forkserver' avoids it")
     return (f"{which} had not started yet (still importing: a loaded machine or a slow file system); raise "
             "timeout= for the first batch")
 

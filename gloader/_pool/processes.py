@@ -146,15 +146,18 @@ class ThreadPool:
 class ProcessPool:
     """`processes` worker processes of `ctx`, each running `initializer(*initargs)` and then
     the tasks submitted (see the module's docstring); `lock_dir`: the pool's private directory
-    (the queues' locks, spilled results).
+    (the queues' locks, spilled results); `watch_starts(workers)`: see `_supervise`.
 
     `workers`: the processes now running; `started`: every process started, replacements
     included, until the supervision (`_pool.deaths`) takes it; `exited`: the workers' exits so far.
     """
 
     def __init__(self, ctx: Any, processes: int, initializer: Callable[..., None], initargs: tuple[Any, ...],
-                 lock_dir: str) -> None:
+                 lock_dir: str, watch_starts: Callable[[list[Any]], bool] | None = None) -> None:
         self._ctx = ctx
+        # Called by the supervisor with the workers after each of its rounds, and every
+        # _BLIND_POLL_S while it answers True (some worker has not started yet).
+        self._watch_starts = watch_starts
         self.target = processes
         self.workers: list[Any] = []
         self.started: collections.deque[Any] = collections.deque()
@@ -295,14 +298,15 @@ class ProcessPool:
         watched: dict[int, Any] = {}  # sentinel -> worker process
         blind: list[Any] = []  # alive with their sentinel closed (they closed the descriptor): polled
         known: list[Any] = []  # the list of workers last looked at (a change rebinds it)
+        starting = self._watch_starts is not None  # some worker may not have started: looked at again
         while True:
             if self.workers is not known:
                 known = self.workers
                 for process in set(known) - set(watched.values()) - set(blind):
                     watched[process.sentinel] = process
                     everything.register(process.sentinel, select.POLLIN)
-            events = everything.poll(int(_BLIND_POLL_S * 1000) if blind else None)
-            if len(events) == 1 and events[0][0] == reader_fd and not blind:  # results alone: the common case
+            events = everything.poll(int(_BLIND_POLL_S * 1000) if blind or starting else None)
+            if len(events) == 1 and events[0][0] == reader_fd and not blind and not starting:  # results alone
                 self._take_results(reader, results)
                 continue
             ready = {fd for fd, _ in events}
@@ -330,6 +334,8 @@ class ProcessPool:
                 self._top_up()
             except Exception:  # out of processes or descriptors: the next exit or resize tries again
                 logger.warning("gloader could not start a worker process", exc_info=True)
+            if self._watch_starts is not None:
+                starting = self._watch_starts(self.workers)
 
     def _take_results(self, reader: Any, results: select.poll) -> None:
         while True:
