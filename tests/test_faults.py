@@ -559,6 +559,21 @@ def test_a_child_forked_from_the_caller_leaves_the_callers_workers_alone(tmp_pat
     assert proc.returncode == 0 and "Traceback" not in err and "Warning" not in err, err
 
 
+# Script text: the first child forked after `tokens[-1]` names a new file writes its pid there and
+# stops before any other Python code runs, as a child stuck in the after-fork step does.
+_STALL_FIRST_CHILD = """
+        def stall_the_first_child():
+            try:
+                token = os.open(tokens[-1], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return
+            os.write(token, str(os.getpid()).encode())
+            os.close(token)
+            time.sleep(3600)
+
+        os.register_at_fork(after_in_child=stall_the_first_child)"""
+
+
 @pytest.mark.timeout(60)
 def test_a_forked_worker_stuck_before_any_python_runs_is_named_by_the_timeout_and_others_load_its_batches(
         tmp_path) -> None:
@@ -569,17 +584,7 @@ def test_a_forked_worker_stuck_before_any_python_runs_is_named_by_the_timeout_an
         from gloader import BatchTimeoutError
 
         tokens = [{str(tmp_path / "one")!r}]
-
-        def stall_the_first_child():  # runs in each forked child before any other Python code
-            try:
-                token = os.open(tokens[-1], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                return
-            os.write(token, str(os.getpid()).encode())
-            os.close(token)
-            time.sleep(3600)
-
-        os.register_at_fork(after_in_child=stall_the_first_child)
+        {_STALL_FIRST_CHILD}
         with DataLoader(np.arange(40), batch_size=4, num_workers=1, start_method="fork", timeout=3) as loader:
             try:
                 next(iter(loader))
@@ -606,16 +611,8 @@ def test_a_forked_worker_stuck_before_any_python_runs_is_replaced_after_the_star
 
         core._START_DEADLINE_S = 1.0  # 10 s in use
 
-        def stall_the_first_child():  # runs in each forked child before any other Python code
-            try:
-                token = os.open({str(tmp_path / "stalled")!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                return
-            os.write(token, str(os.getpid()).encode())
-            os.close(token)
-            time.sleep(3600)
-
-        os.register_at_fork(after_in_child=stall_the_first_child)
+        tokens = [{str(tmp_path / "stalled")!r}]
+        {_STALL_FIRST_CHILD}
         with DataLoader(np.arange(40), batch_size=4, num_workers=1, start_method="fork", timeout=30) as loader:
             print("batches:", [b.tolist() for b in loader] == [list(range(i, i + 4)) for i in range(0, 40, 4)],
                   loader.worker_pids(), flush=True)
