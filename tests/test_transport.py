@@ -255,22 +255,26 @@ def test_segments_are_anonymous_never_names_in_dev_shm() -> None:
 
 
 def test_forked_workers_do_not_keep_another_loaders_slots() -> None:
-    def worker_descriptors(pids: list[int]) -> list[str]:
-        links = []
+    def slot_files(pids: list[int]) -> set[int]:
+        """The inodes of the slot files the processes hold a descriptor of (a worker holds one of
+        its own loader's for a moment while it maps a slot, as val's may for the epoch opened ahead)."""
+        found = set()
         for pid in pids:
             for entry in os.listdir(f"/proc/{pid}/fd"):
                 try:
-                    links.append(os.readlink(f"/proc/{pid}/fd/{entry}"))
+                    if "memfd:gloader" in os.readlink(f"/proc/{pid}/fd/{entry}"):
+                        found.add(os.stat(f"/proc/{pid}/fd/{entry}").st_ino)
                 except OSError:
                     pass
-        return links
+        return found
 
     with DataLoader(np.zeros((64, 1024), np.float32), batch_size=16, num_workers=1, start_method="fork") as train:
         held = list(train)  # train's slots exist (with their descriptors) when val forks its workers
-        train_slots = set(segment_sizes([os.getpid()]))
+        train_slots, train_files = set(segment_sizes([os.getpid()])), slot_files([os.getpid()])
+        assert train_files
         with DataLoader(np.zeros((32, 8), np.float32), batch_size=8, num_workers=1, start_method="fork") as val:
             list(val)
-            assert not [link for link in worker_descriptors(val.worker_pids()) if "memfd:gloader" in link]
+            assert not train_files & slot_files(val.worker_pids())
             assert not train_slots & set(segment_sizes(val.worker_pids()))  # nor their mappings
         del held
 
