@@ -442,16 +442,14 @@ class ProcessCore(PoolCore):
         pool = self.pool
         pool.close()  # ask: each worker takes a stop after the tasks queued, and exits; none is replaced
         processes = pool.workers
-        asked = not prompt and _join_all(processes, _ASK_S)
+        if not prompt:
+            _join_all(processes, _ASK_S)
         alive = [p for p in processes if exit_code(p) is None]
         if alive:
             busy = [p.pid for p in alive if self.status is not None and self.status.doing(p.pid) is not None]
             if prompt:
                 logger.warning("gloader workers %s: terminating them after a failed batch (a dead worker or "
                                "a timeout)", [p.pid for p in alive])
-            elif asked:
-                logger.debug("gloader workers %s are still running after they all stopped; terminating them",
-                             [p.pid for p in alive])
             elif len(busy) == len(alive):  # loading batches nobody wants any more: nothing is wrong
                 logger.debug("gloader workers %s still load batches no longer wanted after %.1f s; terminating them",
                              busy, _ASK_S)

@@ -166,6 +166,7 @@ class ProcessPool:
         self._stopping = False  # `stop` ran: the supervisor ends
         self._awaited: dict[int, TaskResult] = {}  # job -> result, until its final value
         self._jobs = itertools.count()
+        self._names = itertools.count()  # gloader-worker-N, replacements included
         self._lock = threading.Lock()  # starting a worker, against closing
         self.tasks = TrackedQueue(ctx=ctx, lock_dir=lock_dir, name="tasks", atomic_reads=True)
         self.results = TrackedQueue(ctx=ctx, lock_dir=lock_dir, name="results")
@@ -268,7 +269,7 @@ class ProcessPool:
                 if not self.running or len(self.workers) >= self.target:
                     return
                 process = self._ctx.Process(target=worker_main, args=self._worker_args, daemon=True,
-                                            name=f"gloader-worker-{len(self.started)}")
+                                            name=f"gloader-worker-{next(self._names)}")
                 process.start()
                 self.started.append(process)
                 self.workers = [*self.workers, process]
