@@ -99,10 +99,12 @@ def test_a_caller_waiting_on_thread_workers_is_woken_by_its_batch_not_by_polling
     # Thread workers ring the loader's event as their task ends: the caller sleeps once while
     # the batch loads, where it looked every 40 ms when their results were polled.
     looks: list[float] = []
+    entered = threading.Event()
     original = _task.Task.wait
 
     def counted(task: _task.Task, slots: Any, timeout_s: float, *rest: Any) -> bool:
         looks.append(timeout_s)
+        entered.set()
         return original(task, slots, timeout_s, *rest)
 
     monkeypatch.setattr(_task.Task, "wait", counted)
@@ -111,12 +113,19 @@ def test_a_caller_waiting_on_thread_workers_is_woken_by_its_batch_not_by_polling
         it = iter(loader)
         assert [int(x) for x in next(it)] == [0, 1] and [int(x) for x in next(it)] == [2, 3]
         looks.clear()
-        opener = threading.Timer(0.5, dataset.gate.set)  # batch 2 loads for half a second
+        entered.clear()
+
+        def open_the_gate() -> None:  # once the caller waits for batch 2, held at the gate
+            if entered.wait(30):
+                threading.Event().wait(0.5)  # while nothing happens
+            dataset.gate.set()
+
+        opener = threading.Thread(target=open_the_gate)
         opener.start()
         try:
             assert [int(x) for x in next(it)] == [4, 5]
         finally:
-            opener.join(5)
+            opener.join(35)
         assert 1 <= len(looks) <= 2, looks  # polled: about 12
 
 
