@@ -51,10 +51,8 @@ def test_dead_worker_raises_within_two_seconds_naming_pid_signal_batch_and_cause
         _check_dead_worker_report(loader, says)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(shared: bool, monkeypatch) -> None:
-    # The caller sleeps on its tasks until its batch's deadline; the pool's supervisor thread,
-    # woken by the worker's exit, wakes it. A caller that polled would look again every slice.
+def _count_waits(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], threading.Event]:
+    """Each wait of the caller for a batch (`Task.wait`) is recorded, and sets the event."""
     looks: list[float] = []
     entered = threading.Event()
     original = _task.Task.wait
@@ -65,6 +63,14 @@ def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(
         return original(task, slots, timeout_s, *rest)
 
     monkeypatch.setattr(_task.Task, "wait", counted)
+    return looks, entered
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(shared: bool, monkeypatch) -> None:
+    # The caller sleeps on its tasks until its batch's deadline; the pool's supervisor thread,
+    # woken by the worker's exit, wakes it. A caller that polled would look again every slice.
+    looks, entered = _count_waits(monkeypatch)
     pool = gloader.WorkerPool(1) if shared else None
     try:
         with DataLoader(_data.Sleepy(slow=4, seconds=60.0), batch_size=2, num_workers=1, pool=pool,
@@ -98,16 +104,7 @@ def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(
 def test_a_caller_waiting_on_thread_workers_is_woken_by_its_batch_not_by_polling(monkeypatch) -> None:
     # Thread workers ring the loader's event as their task ends: the caller sleeps once while
     # the batch loads, where it looked every 40 ms when their results were polled.
-    looks: list[float] = []
-    entered = threading.Event()
-    original = _task.Task.wait
-
-    def counted(task: _task.Task, slots: Any, timeout_s: float, *rest: Any) -> bool:
-        looks.append(timeout_s)
-        entered.set()
-        return original(task, slots, timeout_s, *rest)
-
-    monkeypatch.setattr(_task.Task, "wait", counted)
+    looks, entered = _count_waits(monkeypatch)
     dataset = _data.GatedLoads(8, gated=4)
     with DataLoader(dataset, batch_size=2, num_workers=1, thread_pool=True, timeout=60) as loader:
         it = iter(loader)
