@@ -162,6 +162,36 @@ class SleepsWhenFlagged(Sleepy):
         return super().__getitem__(idx)
 
 
+class ClosesAPipe(gloader.Dataset):
+    """Sample i is [i]. Sample `at` waits (up to 30 s) for the file `path` to name a pipe's
+    inode, then closes the loading worker's descriptors on that pipe and loads on, as a dataset
+    that closes descriptors it does not know (`os.closerange`) closes its worker's end of the
+    sentinel its caller watches. Sample `stuck` takes 60 s (a stuck read)."""
+
+    def __init__(self, path: str, at: int, stuck: int, length: int) -> None:
+        self.path, self.at, self.stuck, self.length = path, at, stuck, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx == self.stuck:
+            time.sleep(60)
+        if idx == self.at:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(self.path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with open(self.path) as f:
+                pipe = f"pipe:[{f.read().strip()}]"
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{fd}") == pipe:
+                        os.close(int(fd))
+                except OSError:  # the listing's own descriptor, closed since
+                    pass
+        return np.array([idx], dtype=np.int64)
+
+
 class StallsWhenFlagged(gloader.Dataset):
     """Instant samples, but while the file `flag` holds two sample indices ("short long"), the
     first takes `short_s` and the second `long_s` (the file is read at each sample)."""

@@ -738,3 +738,37 @@ def test_a_killed_worker_is_reported_promptly_on_an_own_and_on_a_shared_pool(sha
         if pool is not None:
             pool.close()
     assert reported - float(stamp.read_text()) < 10
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds the worker's descriptors in /proc")
+def test_a_worker_that_closes_its_sentinel_loads_on_and_its_death_still_wakes_the_caller(tmp_path,
+                                                                                       monkeypatch) -> None:
+    # The supervisor sleeps on the workers' sentinels. One closed by a live worker is not its
+    # death (no replacement starts); that worker is looked at every 0.1 s instead, so its death
+    # still wakes a caller waiting on it, not the batch's timeout (60 s here).
+    named = tmp_path / "pipe"
+    with DataLoader(_data.ClosesAPipe(str(named), at=8, stuck=40, length=64), batch_size=4, num_workers=1,
+                    timeout=60) as loader:
+        it = iter(loader)
+        loaded = [next(it)]
+        (worker,) = loader._engine.workers.processes()
+        pipe = os.fstat(worker._process.sentinel).st_ino
+        named.write_text(str(pipe))
+        loaded += [next(it) for _ in range(9)]
+        assert [int(v) for batch in loaded for v in batch] == list(range(40))
+        held = {os.readlink(f"/proc/{worker.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{worker.pid}/fd")}
+        assert f"pipe:[{pipe}]" not in held and worker.is_alive()  # it closed its end and lives on
+        assert loader.worker_pids() == [worker.pid]  # not taken for dead
+        _, entered = _count_waits(monkeypatch)
+
+        def kill() -> None:
+            if entered.wait(30):  # the caller waits for batch 10, stuck in the worker
+                os.kill(worker.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(gloader.WorkerExitedError, match=rf"pid {worker.pid}\) is killed by signal: Killed"):
+            next(it)
+        killer.join(5)
+        assert time.monotonic() - started < 30
