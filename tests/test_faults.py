@@ -94,7 +94,10 @@ def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(
             with pytest.raises(gloader.WorkerExitedError, match=rf"pid {pid}\) is killed by signal: Killed"):
                 next(it)
             killer.join(5)
-            assert seen == [1]  # one look, woken by the death: no polling while it waited
+            # Woken by the death, not by polling (about 12 looks): one look, or two where the
+            # worker's notice of batch 1 rang after the caller had found that batch in its slot
+            # (a loaded machine: failed 1 in a busy suite run with exactly 2).
+            assert len(seen) == 1 and 1 <= seen[0] <= 2, seen
             assert time.monotonic() - started < 30  # by the death, not the 60 s timeout
     finally:
         if pool is not None:
