@@ -14,7 +14,7 @@ import sys
 import textwrap
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import psutil
@@ -66,6 +66,27 @@ def _count_waits(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], threadin
     return looks, entered
 
 
+def _killed_while_the_caller_waits(it: Iterator[Any], pid: int, entered: threading.Event,
+                                   meanwhile: Callable[[], None] = lambda: None) -> float:
+    """Kill worker `pid` once the caller waits in `next(it)` (`entered`, see _count_waits) and
+    `meanwhile()` returned; the death must reach the caller, named. How long it waited."""
+
+    def kill() -> None:
+        if entered.wait(30):
+            meanwhile()
+            os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(gloader.WorkerExitedError, match=rf"pid {pid}\) is killed by signal: Killed"):
+            next(it)
+    finally:
+        killer.join(5)
+    return time.monotonic() - started
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(shared: bool, monkeypatch) -> None:
     # The caller sleeps on its tasks until its batch's deadline; the pool's supervisor thread,
@@ -82,23 +103,16 @@ def test_a_worker_killed_while_the_caller_waits_wakes_it_at_once_not_by_polling(
             looks.clear()
             seen: list[int] = []
 
-            def kill() -> None:
-                if entered.wait(30):  # the caller waits for batch 2, stuck in its worker
-                    threading.Event().wait(0.5)  # what it does meanwhile, while nothing happens
-                    seen.append(len(looks))
-                    os.kill(pid, signal.SIGKILL)
+            def meanwhile() -> None:  # the caller waits for batch 2, stuck in its worker
+                threading.Event().wait(0.5)  # while nothing happens
+                seen.append(len(looks))
 
-            killer = threading.Thread(target=kill)
-            killer.start()
-            started = time.monotonic()
-            with pytest.raises(gloader.WorkerExitedError, match=rf"pid {pid}\) is killed by signal: Killed"):
-                next(it)
-            killer.join(5)
+            waited = _killed_while_the_caller_waits(it, pid, entered, meanwhile)
             # Woken by the death, not by polling (about 12 looks): one look, or two where the
             # worker's notice of batch 1 rang after the caller had found that batch in its slot
             # (a loaded machine: failed 1 in a busy suite run with exactly 2).
             assert len(seen) == 1 and 1 <= seen[0] <= 2, seen
-            assert time.monotonic() - started < 30  # by the death, not the 60 s timeout
+            assert waited < 30  # by the death, not the 60 s timeout
     finally:
         if pool is not None:
             pool.close()
@@ -763,15 +777,4 @@ def test_a_worker_that_closes_its_sentinel_loads_on_and_its_death_still_wakes_th
         assert f"pipe:[{pipe}]" not in held and worker.is_alive()  # it closed its end and lives on
         assert loader.worker_pids() == [worker.pid]  # not taken for dead
         _, entered = _count_waits(monkeypatch)
-
-        def kill() -> None:
-            if entered.wait(30):  # the caller waits for batch 10, stuck in the worker
-                os.kill(worker.pid, signal.SIGKILL)
-
-        killer = threading.Thread(target=kill)
-        killer.start()
-        started = time.monotonic()
-        with pytest.raises(gloader.WorkerExitedError, match=rf"pid {worker.pid}\) is killed by signal: Killed"):
-            next(it)
-        killer.join(5)
-        assert time.monotonic() - started < 30
+        assert _killed_while_the_caller_waits(it, worker.pid, entered) < 30  # batch 10 is stuck in the worker
