@@ -778,3 +778,32 @@ def test_a_worker_that_closes_its_sentinel_loads_on_and_its_death_still_wakes_th
         assert loader.worker_pids() == [worker.pid]  # not taken for dead
         _, entered = _count_waits(monkeypatch)
         assert _killed_while_the_caller_waits(it, worker.pid, entered) < 30  # batch 10 is stuck in the worker
+
+
+def test_a_worker_given_the_pid_of_one_gone_before_it_started_gets_its_own_start_deadline(monkeypatch) -> None:
+    """The start deadline runs from when the pool first saw each worker: a pid seen unstarted,
+    gone, and then given to a new worker does not date the new one from the first one's start."""
+    from gloader._pool import core as _core
+
+    class Unstarted:  # a forked worker that has not reached the initializer (no id in the status table)
+        def __init__(self, pid: int) -> None:
+            self.pid, self.killed = pid, False
+
+        def kill(self) -> None:
+            self.killed = True
+
+    monkeypatch.setattr(_core, "_START_DEADLINE_S", 0.2)
+    core = _core.make_core(1, False, "fork", [])
+    try:
+        pid = max(p.pid for p in core.pool.workers) + 4_000_000  # no worker of the pool's
+        first = Unstarted(pid)
+        assert core._kill_stuck([first]) is True  # seen, not started: watched
+        assert core._kill_stuck([]) is False  # gone before it started
+        threading.Event().wait(0.3)  # past the deadline of the first sighting
+        second = Unstarted(pid)
+        assert core._kill_stuck([second]) is True and not second.killed  # its own deadline
+        threading.Event().wait(0.3)
+        assert core._kill_stuck([second]) is False and second.killed  # which it then runs past
+        assert not first.killed
+    finally:
+        core.close()

@@ -328,23 +328,26 @@ class ProcessCore(PoolCore):
     def _kill_stuck(self, workers: list[Any]) -> bool:
         """Under fork, in the pool's supervisor: kill the workers that have not started within
         _START_DEADLINE_S of being first seen (see there); True while any has not started."""
-        status, now, waiting = self.status, time.monotonic(), False
+        status, now = self.status, time.monotonic()
         assert status is not None
+        # Kept for the unstarted workers of this look only: a pid kept for a worker gone since
+        # would date a later worker given that pid from the first one's start.
+        first_seen: dict[int, float] = {}
         for process in workers:
             if status.worker_id(process.pid) is not None:
-                self._first_seen.pop(process.pid, None)
                 continue
-            if now - self._first_seen.setdefault(process.pid, now) < _START_DEADLINE_S:
-                waiting = True
+            since = self._first_seen.get(process.pid, now)
+            if now - since < _START_DEADLINE_S:
+                first_seen[process.pid] = since
                 continue
-            self._first_seen.pop(process.pid, None)
             with self._lock:
                 self._deaths.killed.add(process)  # no death to report: it held no task
             process.kill()
             logger.warning("killed gloader worker %d: it never started (%.0f s after it was forked, no code of "
                            "gloader's had run in it; see CPython issue 112275); starting another",
                            process.pid, _START_DEADLINE_S)
-        return waiting
+        self._first_seen = first_seen
+        return bool(first_seen)
 
     def why_late(self) -> str | None:
         if self._closed or self.status is None:
