@@ -793,7 +793,7 @@ def test_a_worker_given_the_pid_of_one_gone_before_it_started_gets_its_own_start
             self.killed = True
 
     monkeypatch.setattr(_core, "_START_DEADLINE_S", 0.2)
-    core = _core.make_core(1, False, "fork", [])
+    core = _core.make_core(1, False, "spawn", [])  # the supervisor looks only under fork: these looks are the test's alone
     try:
         pid = max(p.pid for p in core.pool.workers) + 4_000_000  # no worker of the pool's
         first = Unstarted(pid)
